@@ -1,0 +1,23 @@
+# The toy world (toy.py): SAGE-GRPO end to end on a 2-core CPU in a few minutes.
+#   python train.py config/toy.py
+#   torchrun --nproc_per_node=2 train.py config/toy.py     # the FSDP2 path, gloo on CPU
+# Everything not set here keeps the paper's default from the top of train.py.
+model = 'assets/toy'            # the committed, pretrained tiny HunyuanVideo15Transformer3DModel
+reward_model = 'toy'            # toy.reward: VQ, MQ, TA in [0, 1], exact
+train_prompts = 'assets/toy/train_prompts.txt'
+eval_prompts = 'assets/toy/eval_prompts.txt'
+out_dir = 'out-toy'
+device = 'cpu'
+fps = 8                         # toy.FPS
+gradient_checkpointing = False  # activations of a 324-token clip are tiny
+num_steps = 10                  # sampler steps (the paper: 20)
+shift = 3.0                     # the toy's sigma-schedule shift
+cfg = 3.0                       # the toy base model's guidance scale
+prompts_per_iter = 8
+group_size = 4
+rollout_batch = 32              # all of a rank's clips in one forward
+train_batch = 32
+learning_rate = 1e-4            # a 2-layer model on a tiny world moves faster than 8.3B parameters
+max_iters = 30
+eval_every = 10
+save_every = 10

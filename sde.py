@@ -1,0 +1,125 @@
+"""
+The samplers: one step of the rectified-flow reverse process, deterministic (ODE) or stochastic
+(DanceGRPO, FlowGRPO, SAGE-GRPO, CPS), with the log-probability of the transition for GRPO.
+
+    x_s = (1 - s) x0 + s noise,  v = noise - x0,  noise_hat = x + (1 - s) v,  score = -noise_hat / s
+    dance/flow/sage:  mean = x + dt v + 0.5 Sigma score,      x_next = mean + sqrt(Sigma) z
+    cps:              mean = (1-s') x0_hat + sqrt(s'^2 - std^2) noise_hat,   x_next = mean + std z
+Both are written below as  mean = x + dt v - c * noise_hat,  with c = 0.5 Sigma / s for the SDEs
+and c = s' - sqrt(s'^2 - std^2) for CPS (expand CPS's mean to see it), so c = 0 is the Euler step.
+
+Sigma is the noise variance of one step (SPEC section 2):
+    dance  eta^2 d            flow  eta^2 s/(1-s) d  (1-s at s=1 taken at s_1)
+    sage   eta^2 int_{s'}^{s} u/(1-u) du  (exact, the singularity at u=1 clamped at 1-3e-3)
+    cps    std^2 = (s' sin(eta pi/2))^2
+
+Where this differs from the paper and why:
+- sage on fine schedules: the paper's formula -d + log((1-s')/(1-min(s, 1-eps))) goes negative for a
+  step lying (almost) entirely above the clamp (e.g. the first two steps of a 200-step schedule).
+  We floor it at 0, so such a step is an ODE step (no noise, no log-prob, not trained); see variance().
+- cps: the log-prob is the true Gaussian density (the CPS reference code drops the constants and
+  the 1/(2 std^2) factor), the same density as every other kind.
+- the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
+
+Tested by: python -m pytest tests/test_sde.py
+"""
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+KINDS = ('ode', 'dance', 'flow', 'sage', 'cps')  # sampler names
+SAGE_CLAMP = 1 - 3e-3  # sage: upper end of the noise integral; u/(1-u) diverges at u = 1
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # Gaussian normalising constant per element
+
+
+def sigmas(num_steps, shift):
+    # exactly what HunyuanVideo15Pipeline hands FlowMatchEulerDiscreteScheduler: the linear grid is
+    # rounded to float32 first, then shifted in float32 numpy, then a terminal 0 is appended
+    u = np.linspace(1.0, 0.0, num_steps + 1)[:-1].astype(np.float32)  # (N,) 1 .. 1/N
+    s = shift * u / (1 + (shift - 1) * u)  # (N,) float32, s[0] == 1.0 exactly
+    return torch.cat([torch.from_numpy(s).float(), torch.zeros(1)])  # (N+1,)
+
+
+def _as_tensor(s):
+    # floats become 0-d float64 tensors so every kind is one tensor formula; the caller converts back
+    return s if torch.is_tensor(s) else torch.tensor(float(s), dtype=torch.float64)
+
+
+def variance(kind, s, s_next, eta):
+    """Noise variance Sigma of one step s -> s_next; floats in -> float out, tensors -> tensor."""
+    if kind not in KINDS:
+        raise ValueError(f'unknown sampler kind {kind!r}, expected one of {KINDS}')
+    is_float = not torch.is_tensor(s) and not torch.is_tensor(s_next)
+    s, s_next = _as_tensor(s), _as_tensor(s_next)
+    dtype = torch.promote_types(s.dtype, s_next.dtype)
+    s, s_next = s.double(), s_next.double()  # float64 inside: the sage log term cancels against -d
+    d = s - s_next  # > 0
+    if kind == 'ode':
+        var = torch.zeros_like(d)
+    elif kind == 'dance':
+        var = eta**2 * d
+    elif kind == 'flow':
+        one_minus = torch.where(s >= 1, 1 - s_next, 1 - s)  # FlowGRPO uses s_1 for s = 1 (first step)
+        var = eta**2 * s / one_minus * d
+    elif kind == 'sage':
+        # the paper's formula, with min() on both ends: the log part integrates 1/(1-u) over
+        # [s', s] ∩ [0, c] while -d still spans the whole step. For s' <= c this is SPEC's formula
+        # exactly (and the SPEC table); for a step reaching into [c, 1] the log part loses the
+        # piece above c, and a step inside [c, 1] would get -eta^2 d < 0. The floor at 0 keeps it
+        # continuous and makes such a step an ODE step: near u = 1 the noise rate eta^2 u/(1-u)
+        # is infinite, any finite choice is arbitrary, and a zero-noise step still preserves the
+        # marginals (the ODE does), whereas capping the rate at c would change the SPEC table.
+        hi, lo = s.clamp(max=SAGE_CLAMP), s_next.clamp(max=SAGE_CLAMP)
+        var = (eta**2 * (-d + torch.log1p((hi - lo) / (1 - hi)))).clamp(min=0)  # log((1-lo)/(1-hi))
+    else:  # cps
+        var = (s_next * math.sin(eta * math.pi / 2)) ** 2
+    return var.item() if is_float else var.to(dtype)
+
+
+def _correction(kind, s, s_next, var):
+    # c in mean = x + dt v - c noise_hat (float64 tensors in, same out); c = 0 exactly when var = 0
+    if kind == 'cps':  # = s' - sqrt(s'^2 - std^2) without cancellation; 0 (not 0/0) when std = 0
+        root = torch.sqrt((s_next**2 - var).clamp(min=0))
+        return torch.where(var > 0, var / (s_next + root).clamp(min=1e-300), 0.0)
+    return 0.5 * var / s
+
+
+class Step(NamedTuple):
+    prev: torch.Tensor  # (B, ...) the next latent x_{s'}: sampled, or the one given; x's dtype
+    mean: torch.Tensor  # (B, ...) float32 mean of the transition, differentiable in v
+    std: torch.Tensor  # (B,) float32 noise std of the transition (0 for an ODE step)
+    logp: torch.Tensor | None  # (B,) float32 mean log-density of prev, None for an ODE step
+
+
+def step(x, v, s, s_next, kind='sage', eta=0.5, prev=None, generator=None, noise=None):
+    """One step s -> s_next. prev=None: sample it (rollout) with z = noise, or drawn from generator.
+    prev given: score it (training)."""
+    B, ndim = x.shape[0], x.dim()
+    s64 = _as_tensor(s).double().to(x.device).expand(B)  # (B,) per-sample sigma
+    s_next64 = _as_tensor(s_next).double().to(x.device).expand(B)  # (B,)
+    var = variance(kind, s64, s_next64, eta)  # (B,) float64
+    c = _correction(kind, s64, s_next64, var)  # (B,)
+    bcast = lambda t: t.float().view(B, *[1] * (ndim - 1))  # (B,) -> (B, 1, ...) float32
+    # dt rounded once from the exact float64 difference == float32 s' - s, as diffusers computes it
+    dt, c_, s_ = bcast(s_next64 - s64), bcast(c), bcast(s64)
+    x32, v32 = x.float(), v.float()  # (B, ...) float32: bf16 would lose the small dt * v update
+    noise_hat = x32 + (1 - s_) * v32  # (B, ...)
+    # Euler first, then the correction: with c = 0 this is bitwise FlowMatchEulerDiscreteScheduler.step
+    mean = x32 + dt * v32 - c_ * noise_hat  # (B, ...)
+    std = var.sqrt().float()  # (B,)
+    stochastic = std > 0  # (B,); the check below is a host sync on GPU (a few bytes)
+    if stochastic.any() and not stochastic.all():
+        raise ValueError('a batch mixes deterministic (std 0) and stochastic steps')
+    if not stochastic.any():  # ODE step: no noise drawn, no log-prob
+        return Step(mean.to(x.dtype) if prev is None else prev, mean, std, None)
+    if prev is None:  # the sample is data, not a function of the weights: no gradient through it
+        # z ~ N(0, I) (B, ...): given, or drawn in float32 whatever x's dtype (one stream per seed)
+        z = noise.float() if noise is not None else \
+            torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        prev = (mean.detach() + bcast(std) * z).to(x.dtype)
+    # full Gaussian log-density per element, float32, averaged over all non-batch elements
+    sd = bcast(std)
+    logp = -(prev.float() - mean) ** 2 / (2 * sd**2) - torch.log(sd) - LOG_SQRT_2PI  # (B, ...)
+    return Step(prev, mean, std, logp.flatten(1).mean(1))

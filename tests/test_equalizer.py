@@ -1,0 +1,71 @@
+"""The gradient equalizer against SPEC's figures and autograd. python -m pytest tests/test_equalizer.py"""
+import pytest
+import torch
+
+import equalizer
+import sde
+
+STOCHASTIC = ('dance', 'flow', 'sage', 'cps')
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():  # small tensors on shared cores: a second intra-op thread only adds spin-waits
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_spec_table():
+    # SPEC section 3, sage at eta 0.5, 20 steps, shift 5, steps 0, 1, 5, 10, 15, 19
+    sig, idx = sde.sigmas(20, 5.0), [0, 1, 5, 10, 15, 19]
+    n, S = equalizer.proxy('sage', sig, 0.5), equalizer.scales('sage', sig, 0.5)
+    assert n.shape == S.shape == (20,) and S.dtype == torch.float32
+    assert torch.allclose(n[idx], torch.tensor([0.0188, 0.0288, 0.0784, 0.1806, 0.4858, 2.7716]), atol=5e-5)
+    assert torch.allclose(S[idx], torch.tensor([8.89, 5.78, 2.13, 0.92, 0.34, 0.060]), atol=5e-3)
+    # 20 stochastic steps, an even count: the median is the mean of the middle two, 0.1667
+    middle = n.sort().values[9:11]
+    assert abs(middle.mean().item() - 0.1667) < 5e-5 and abs(middle[0].item() - 0.1667) > 0.01
+    assert abs((S * n).median().item() - 0.1667) < 5e-5  # S_t N_t = median for every step
+
+
+def test_deterministic_steps_get_scale_one():
+    sig = sde.sigmas(20, 5.0)
+    S, n = equalizer.scales('cps', sig, 0.5), equalizer.proxy('cps', sig, 0.5)
+    assert S[-1] == 1.0 and n[-1] == 0.0 and torch.isfinite(n).all()  # cps: std 0 on the last step
+    assert torch.equal(equalizer.scales('ode', sig, 0.5), torch.ones(20))
+    assert torch.equal(equalizer.scales('sage', sig, 0.0), torch.ones(20))  # eta 0
+    fine = sde.sigmas(200, 5.0)  # sage's first two steps lie above its clamp: ODE steps
+    S, n = equalizer.scales('sage', fine, 0.5), equalizer.proxy('sage', fine, 0.5)
+    assert S[:2].tolist() == [1.0, 1.0] and n[:2].tolist() == [0.0, 0.0] and (n[2:] > 0).all()
+    assert torch.isfinite(S).all()
+
+
+@pytest.mark.parametrize('kind', STOCHASTIC)
+def test_sensitivity_is_dmean_dv(kind):
+    # lambda_t from SPEC's formulas vs the Jacobian of sde.step's mean (diagonal, the same everywhere)
+    sig = sde.sigmas(20, 5.0)
+    for i in (0, 3, 10, 18):
+        x, v = torch.randn(1, 5), torch.randn(1, 5, requires_grad=True)
+        mean = sde.step(x, v, sig[i], sig[i + 1], kind, 0.7, prev=x).mean
+        (grad,) = torch.autograd.grad(mean.sum(), v)
+        lam = equalizer.sensitivity(kind, sig[i].item(), sig[i + 1].item(), 0.7)
+        assert isinstance(lam, float) and torch.allclose(grad, torch.full_like(grad, lam), rtol=1e-5)
+
+
+@pytest.mark.parametrize('kind', STOCHASTIC)
+def test_scales_equalize_gradient_norms(kind):
+    # the paper's Fig. 3/4 in miniature: ||d logp / d v|| at a sampled x_next tracks N_t, and after
+    # multiplying by S_t every trained step has about the same gradient norm
+    sig, g = sde.sigmas(20, 5.0), torch.Generator().manual_seed(0)
+    n, S = equalizer.proxy(kind, sig, 0.5), equalizer.scales(kind, sig, 0.5)
+    raw, equalized = [], []
+    for i in torch.nonzero(n).flatten().tolist():  # the stochastic (trained) steps
+        x, v = torch.randn(1, 4096, generator=g), torch.randn(1, 4096, generator=g).requires_grad_()
+        out = sde.step(x, v, sig[i], sig[i + 1], kind, 0.5, generator=g)
+        (grad,) = torch.autograd.grad(out.logp.sum(), v)  # = lambda z / std / 4096, z ~ N(0, I)
+        raw.append(grad.norm().item() * 64)  # ||z|| ~ 64: expect N_t (1.1% noise)
+        equalized.append(S[i].item() * raw[-1])
+        assert abs(raw[-1] / n[i].item() - 1) < 0.05, (i, raw[-1], n[i])
+    assert max(raw) / min(raw) > 5  # without the scale, steps differ a lot (sage: ~150x)
+    assert max(equalized) / min(equalized) < 1.1  # with it, all within 10%

@@ -1,0 +1,177 @@
+"""KL, anchor and lambda_KL controller. python -m pytest tests/test_trust_region.py
+(the FSDP2 test launches tests/fsdp_anchor_worker.py under torchrun, 2 CPU processes, gloo)"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from peft import LoraConfig, get_peft_model
+
+import trust_region as tr
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():  # small tensors on shared cores: a second intra-op thread only adds spin-waits
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_gaussian_kl_is_the_mean_log_ratio():
+    # KL(a || b) = E_{x~a}[logp_a(x) - logp_b(x)], logp averaged over elements like sde.step's
+    g = torch.Generator().manual_seed(0)
+    mean_a, mean_b = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)  # (B, ...)
+    std = torch.tensor([0.7, 1.3])  # (B,)
+    kl = tr.gaussian_kl(mean_a, mean_b, std)
+    assert kl.shape == (2,) and kl.dtype == torch.float32
+    sd = std.view(2, 1, 1)  # (B, 1, 1): broadcasts over (M, B, 3, 4)
+    x = mean_a + sd * torch.randn(20000, 2, 3, 4, generator=g)  # (M, B, ...) samples of a
+    logp = lambda m: torch.distributions.Normal(m, sd).log_prob(x).flatten(2).mean(2)  # (M, B)
+    diff = logp(mean_a) - logp(mean_b)  # (M, B)
+    err = diff.std(0) / math.sqrt(len(diff))  # standard error of the Monte-Carlo mean
+    assert ((diff.mean(0) - kl).abs() < 3 * err).all(), (diff.mean(0), kl, err)
+    assert torch.allclose(tr.gaussian_kl(mean_a, mean_b, 0.7), tr.gaussian_kl(mean_a, mean_b, std[[0, 0]]))
+
+
+# ---- lambda_KL controller ----
+
+def test_controller_warmup_deadband_and_clip():
+    c = tr.KLController()
+    assert c.value == tr.LAM_INIT  # optimizer step 0 trains with lam_init
+    values = [c.update(0.0) for _ in range(tr.WARMUP)]  # KL ignored during warm-up
+    assert math.isclose(values[0], 1e-7 + (1e-5 - 1e-7) / 100) and math.isclose(values[49], 1e-7 + (1e-5 - 1e-7) / 2)
+    assert math.isclose(values[-1], 1e-5) and c.value == values[-1]
+    c = tr.KLController(warmup=0, lam_init=1e-6)
+    assert math.isclose(c.update(1e-5), 1e-6)  # inside the deadband: unchanged
+    assert math.isclose(c.update(3e-5), 1e-6 * 0.9)  # window mean 2e-5 > 1.5e-5: printed rule relaxes
+    c = tr.KLController(warmup=0, lam_init=1e-6, direction=-1)
+    c.update(1e-5)
+    assert math.isclose(c.update(3e-5), 1e-6 * 1.1)  # the stabilising rule tightens
+    c = tr.KLController(warmup=0, lam_init=1e-5)
+    assert c.update(0.0) == 1e-5  # would grow, clipped at lam_max
+    c = tr.KLController(warmup=0, lam_init=1e-7)
+    assert c.update(1.0) == 1e-7  # would shrink, clipped at lam_min
+    c2 = tr.KLController()
+    c2.load_state_dict(c.state_dict())
+    assert c2.state_dict() == c.state_dict() and isinstance(c.state_dict()['history'], list)
+
+
+@pytest.mark.parametrize('lam_max', [1e-5, 1e-3])
+def test_controller_direction_in_a_loop(lam_max):
+    # the policy drifts less the stronger the penalty: observed KL = k / lambda, KL = target at 1e-6
+    k = 1e-6 * tr.KL_TARGET
+    for start in dict(), dict(warmup=0, lam_init=1e-7):  # after the warm-up (at lam_max) / from below
+        printed, flipped = tr.KLController(lam_max=lam_max, **start), tr.KLController(lam_max=lam_max, direction=-1, **start)
+        for _ in range(1000):
+            printed.update(k / printed.value)
+            flipped.update(k / flipped.value)
+        assert printed.value in (printed.lam_min, lam_max)  # the printed rule runs to a bound
+        assert 0.5 < k / flipped.value / tr.KL_TARGET < 1.5  # the flipped rule settles in the deadband
+        before = flipped.value
+        flipped.update(k / flipped.value)
+        assert flipped.value == before
+
+
+# ---- anchor ----
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 6))
+
+
+def sgd_step(model, x):
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def test_anchor_plain_module():
+    model, x = mlp(), torch.randn(4, 6)
+    anchor = tr.Anchor(model, 'dual', every=10)
+    assert anchor.weights.keys() == dict(model.named_parameters()).keys()
+    with anchor.applied(model):
+        assert torch.equal(model(x), model(x).detach())
+        y_anchor = model(x)
+    assert torch.equal(y_anchor, model(x))  # anchor == policy right after refresh
+    sgd_step(model, x)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    y_policy = model(x)
+    with anchor.applied(model):
+        assert not model(x).requires_grad  # the anchor forward runs without autograd
+        assert torch.equal(model(x), y_anchor) and not torch.equal(model(x), y_policy)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # bitwise restore
+    with pytest.raises(ZeroDivisionError):
+        with anchor.applied(model):
+            1 / 0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # even on error
+    anchor.maybe_refresh(model, 7)  # not a multiple of every
+    with anchor.applied(model):
+        assert torch.equal(model(x), y_anchor)
+    anchor.maybe_refresh(model, 10)
+    with anchor.applied(model):
+        assert torch.equal(model(x), y_policy)
+    # state_dict round trip into a fresh anchor of another state
+    other = tr.Anchor(mlp(), 'moving')
+    other.load_state_dict(anchor.state_dict())
+    with other.applied(model):
+        assert torch.equal(model(x), y_policy)
+
+
+def test_anchor_strategies():
+    model, x = mlp(), torch.randn(4, 6)
+    fixed = tr.Anchor(model, 'fixed')
+    y0 = model(x).detach()
+    for step in range(1, 31):
+        sgd_step(model, x)
+        fixed.maybe_refresh(model, step)
+    with fixed.applied(model):
+        assert torch.equal(model(x), y0)  # the initial model, forever
+    for strategy in ('none', 'stepwise'):  # no anchor needed
+        a = tr.Anchor(model, strategy)
+        a.maybe_refresh(model, 10)
+        assert a.weights == {} and a.state_dict() == {}
+        with pytest.raises(RuntimeError):
+            with a.applied(model):
+                pass
+    with pytest.raises(ValueError):
+        tr.Anchor(model, 'sliding')
+
+
+def test_anchor_lora_holds_only_adapters():
+    model = get_peft_model(mlp(), LoraConfig(r=2, lora_alpha=4, target_modules=['0', '2']))
+    lora = {n for n, p in model.named_parameters() if 'lora_' in n}
+    anchor = tr.Anchor(model, 'dual')
+    assert anchor.weights.keys() == lora and len(lora) == 4
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        model.base_model.model[2].lora_B['default'].weight.normal_()  # LoRA B starts at 0: move it
+    anchor.refresh(model)
+    y_anchor = model(x)
+    sgd_step(model, x)
+    base = {n: p.clone() for n, p in model.named_parameters() if n not in lora}
+    with anchor.applied(model):
+        assert torch.equal(model(x), y_anchor)
+    assert not torch.equal(model(x), y_anchor)
+    assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n not in lora)
+    sd = anchor.state_dict()
+    assert sd.keys() == lora
+    fresh = tr.Anchor(model, 'dual')
+    fresh.load_state_dict(sd)
+    with fresh.applied(model):
+        assert torch.equal(model(x), y_anchor)
+
+
+def test_anchor_fsdp2():
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           os.path.join(ROOT, 'tests', 'fsdp_anchor_worker.py')]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    why = [l for l in run.stderr.splitlines() if any(k in l for k in ('Error', 'what()', 'terminate'))]
+    assert run.returncode == 0, f'rc {run.returncode}\n{run.stdout[-2000:]}\n' + '\n'.join(why[-30:])
+    assert all(f'rank {r} of 2: fsdp anchor ok' in run.stdout for r in range(2))

@@ -1,0 +1,137 @@
+"""
+A tiny HunyuanVideo 1.5 pipeline with random weights, built offline in a few seconds, for tests:
+every component is the real class (the diffusers transformer and VAE, the transformers Qwen2.5-VL
+text model and T5 encoder, Qwen2 and ByT5 tokenizers, the flow-match scheduler, the CFG guider),
+only small. Saved in diffusers layout, so anything that loads the real 480p pipeline from a
+directory loads this one the same way.
+
+    from tiny_hunyuan import make_tiny_hunyuan
+    root = make_tiny_hunyuan(tmp_path)  # -> str, a HunyuanVideo15Pipeline.from_pretrained() dir
+
+Deterministic: the same weights and tokenizer on every call. Not a test file itself (no test_ prefix).
+"""
+import inspect
+import os
+
+import torch
+
+# ----------------------------------------------------------------------------- sizes
+
+LATENT_CHANNELS = 4  # C (32 in the real VAE)
+VAE_CHANNELS = (8, 8, 16, 16, 16)  # encoder block widths; 5 blocks as in the real VAE, which keeps
+                                   # its 16x spatial / 4x temporal compression (latent = (C, (F-1)//4+1, H//16, W//16))
+TEXT_HIDDEN = 16  # Qwen2.5-VL hidden size (3584 real) = the transformer's text_embed_dim
+BYT5_DIM = 8  # ByT5 d_model (1472 real) = the transformer's text_embed_2_dim
+IMAGE_EMBED_DIM = 12  # SigLIP width (1152 real); t2v feeds zeros of this width
+SEED = 0  # every component is seeded, so two builds are bitwise identical
+
+# a Qwen-style chat template (written for this test; the pipeline only needs the ChatML layout)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _system_message():
+    # the pipeline's own system prompt (a default argument of its encoder), so the tokenizer can be
+    # fitted to it
+    from diffusers import HunyuanVideo15Pipeline
+    sig = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds)
+    return sig.parameters['system_message'].default
+
+
+def make_tokenizer():
+    """A byte-level BPE Qwen2Tokenizer with ChatML special tokens. Its merges are trained on the
+    pipeline's system prompt, so the chat prefix "<|im_start|>system\\n{system}<|im_end|>\\n
+    <|im_start|>user\\n" is exactly 108 tokens, as with the real Qwen tokenizer: the pipeline's
+    crop_start=108 then cuts exactly the template, as it does for the real model. Any other text
+    falls back to the 256 byte tokens."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    bpe = Tokenizer(models.BPE())  # the same normalizer and pre-tokenizer Qwen2Tokenizer builds
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior='isolated'),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte symbols
+    trainer = trainers.BpeTrainer(vocab_size=1000, min_frequency=1, initial_alphabet=alphabet,
+                                  show_progress=False)  # 1000 > what the corpus allows: merge everything
+    bpe.train_from_iterator([_system_message(), 'system\n', 'user\n', 'assistant\n'], trainer)
+    tok = Qwen2Tokenizer(vocab=bpe.get_vocab(), merges=_merges(bpe), errors='replace', unk_token=None,
+                         bos_token=None, eos_token='<|im_end|>', pad_token='<|endoftext|>',
+                         additional_special_tokens=['<|im_start|>', '<|im_end|>'],
+                         model_max_length=131072, padding_side='right')  # valid tokens first
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _merges(bpe):
+    # the trained merges in rank order as (left, right) pairs, read back from the tokenizer's JSON
+    import json
+    merges = json.loads(bpe.to_str())['model']['merges']  # ['a b', ...] or [['a', 'b'], ...]
+    return [tuple(m.split(' ') if isinstance(m, str) else m) for m in merges]
+
+
+def make_tiny_pipeline():
+    """The tiny HunyuanVideo15Pipeline in memory (float32, CPU)."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import (ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config,
+                              T5EncoderModel)
+
+    tokenizer = make_tokenizer()
+    tokenizer_2 = ByT5Tokenizer()  # bytes + 3 specials + 125 extra ids = 384, no vocab file needed
+
+    torch.manual_seed(SEED)
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+        # multimodal rope: the sections split head_dim / 2 = 4 frequencies over (t, h, w)
+        rope_parameters={'rope_type': 'default', 'rope_theta': 1e6, 'mrope_section': [1, 1, 2]},
+        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids('<|im_end|>'),
+        pad_token_id=tokenizer.pad_token_id)).eval()  # 3 layers: the pipeline reads hidden_states[-3]
+
+    torch.manual_seed(SEED + 1)
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=BYT5_DIM, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+        feed_forward_proj='gated-gelu', dropout_rate=0.0)).eval()  # ByT5 is a gated-gelu T5
+
+    torch.manual_seed(SEED + 2)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=LATENT_CHANNELS, block_out_channels=VAE_CHANNELS,
+                                      layers_per_block=1).eval()
+
+    torch.manual_seed(SEED + 3)
+    C = LATENT_CHANNELS
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=2 * C + 1, out_channels=C,  # [latents, condition latents, condition mask]
+        num_layers=2, num_refiner_layers=1, num_attention_heads=2, attention_head_dim=8,
+        text_embed_dim=TEXT_HIDDEN, text_embed_2_dim=BYT5_DIM, image_embed_dim=IMAGE_EMBED_DIM,
+        rope_axes_dim=(2, 2, 4), task_type='t2v').eval()  # rope axes sum to the head dim
+
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),  # the 480p shift
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0))
+
+
+def make_tiny_hunyuan(root):
+    """Build the tiny pipeline and save it under root in diffusers layout; returns str(root).
+    Reuses root if a previous call already completed there (model_index.json is written last)."""
+    root = str(root)
+    if not os.path.isfile(os.path.join(root, 'model_index.json')):
+        tmp = root.rstrip('/') + '.tmp'
+        make_tiny_pipeline().save_pretrained(tmp, safe_serialization=True)
+        os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+        if os.path.isdir(root) and not os.listdir(root):
+            os.rmdir(root)  # e.g. a fresh tmp_path_factory.mktemp() directory
+        os.replace(tmp, root)  # a half-written build never looks complete
+    return root
+
+
+if __name__ == '__main__':  # python tests/tiny_hunyuan.py /tmp/tiny_hunyuan
+    import sys
+    print(make_tiny_hunyuan(sys.argv[1] if len(sys.argv) > 1 else '/tmp/tiny_hunyuan'))

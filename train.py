@@ -1,0 +1,469 @@
+"""
+SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an exact-integral
+SDE, a temporal gradient equalizer) and a dual trust region (moving anchor + previous policy).
+
+    python train.py config/toy.py                            # the toy world on a CPU, minutes
+    torchrun --nproc_per_node=2 train.py config/toy.py       # its FSDP path on CPU (gloo)
+    torchrun --nproc_per_node=8 train.py                     # HunyuanVideo 1.5 480p + VideoAlign
+    python train.py config/toy.py --sampler=flow --kl_strategy=none   # a baseline: one constant
+
+Settings are the constants below (the paper's released defaults, shared/SPEC.md section 4);
+config files and --key=value override them (configurator.py). The loss reads like SPEC section 4.
+
+Where this code knowingly differs from the paper or its released code:
+- lambda_KL is updated once per optimizer step (the paper's count), not per sample x timestep.
+- CPS log-probabilities are the true Gaussian density (the reference drops its constants).
+- With one optimizer step per rollout batch (the default), theta == theta_old during the update:
+  the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
+  updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
+"""
+import hashlib
+import json
+import math
+import os
+import resource
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+import sde
+from configurator import configure
+from equalizer import scales
+from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
+    sample, save_mp4, velocity
+from reward import combine
+from trust_region import Anchor, KLController, gaussian_kl
+
+# ----------------------------------------------------------------------------- settings
+# I/O
+out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, prompt-embedding cache
+init_from = 'scratch'           # 'scratch' or 'resume' (the newest checkpoint in out_dir)
+eval_every = 25                 # iterations between held-out evaluations (also at start and end)
+eval_videos = 4                 # mp4 files written per evaluation
+save_every = 50                 # iterations between checkpoints (and one at the end)
+keep_checkpoints = 2            # newest checkpoints kept in out_dir
+diag_every = 1                  # iterations between per-step gradient-norm diagnostics (0: never)
+wandb_log = False               # also log to wandb (if it is installed)
+wandb_project = 'sage-grpo'
+# model and data
+model = 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'  # hub id or diffusers dir
+train_prompts = 'prompts/train.txt'  # one prompt per line
+eval_prompts = 'prompts/eval.txt'    # held-out prompts, never trained on
+negative_prompt = ''            # the unconditional branch of classifier-free guidance
+num_frames = 81                 # frames per clip
+height = 352                    # rollout resolution (the paper trains at 352x624)
+width = 624
+fps = 24                        # frame rate of the decoded clips (the reward samples at 2 fps)
+# reward
+reward_model = 'videoalign'     # 'videoalign' (frozen, shared/SPEC.md 6) or 'toy'
+videoalign_dir = 'weights/VideoReward'        # huggingface-cli download KwaiVGI/VideoReward
+qwen_dir = 'weights/Qwen2-VL-2B-Instruct'     # huggingface-cli download Qwen/Qwen2-VL-2B-Instruct
+reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA): Setting B, the paper's main one; A is (1, 1, 1)
+# sampler
+sampler = 'sage'                # SDE of the rollouts: 'sage' | 'flow' | 'dance' | 'cps'
+eta = 0.5                       # exploration scale of the SDE noise
+num_steps = 20                  # sampling steps of a rollout (and of the ODE evaluation)
+shift = 5.0                     # sigma-schedule shift (480p: 5, 720p: 9)
+cfg = 6.0                       # classifier-free guidance scale (1.0: one forward, distilled models)
+# GRPO
+prompts_per_iter = 8            # prompts per rollout batch, over all ranks
+group_size = 4                  # G: rollouts per prompt, the group of the advantage
+rollout_batch = 4               # clips per forward pass in rollouts and evaluation (per rank)
+train_batch = 1                 # clips per forward+backward pass in the update (per rank)
+timestep_fraction = 1.0         # fraction of the stochastic steps trained per clip
+clip_range = 1e-4               # PPO ratio clip
+adv_clip = 5.0                  # advantages are clipped to +-adv_clip
+equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
+updates_per_iter = 1            # optimizer steps per rollout batch
+# trust region
+kl_strategy = 'dual'            # 'none' | 'fixed' | 'stepwise' | 'moving' | 'dual'
+anchor_every = 10               # optimizer steps between anchor refreshes (moving, dual)
+beta_pos = 1.0                  # weight of the position term KL(theta || anchor)
+beta_vel = 0.1                  # weight of the velocity term KL(theta || theta_old)
+kl_max = 1e-5                   # upper bound (and warm-up end) of the adaptive lambda_KL
+kl_target = 1e-5                # the controller's KL target
+kl_direction = 1                # +1: the printed rule (relax when KL is high); -1: stabilising
+# optimisation
+max_iters = 300                 # rollout batches
+learning_rate = 1e-5            # constant
+weight_decay = 0.01
+grad_clip = 1.0
+lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
+gradient_checkpointing = True   # recompute block activations in backward
+device = 'cuda'                 # 'cuda' or 'cpu'
+seed = 0
+config = configure(globals())
+# -----------------------------------------------------------------------------
+
+KINDS, STRATEGIES = ('sage', 'flow', 'dance', 'cps'), ('none', 'fixed', 'stepwise', 'moving', 'dual')
+if sampler not in KINDS or kl_strategy not in STRATEGIES:
+    raise SystemExit(f'sampler must be one of {KINDS}, kl_strategy one of {STRATEGIES}')
+if group_size < 2:
+    raise SystemExit(f'group_size must be at least 2 (GRPO compares rollouts of a prompt), got {group_size}')
+
+# distributed setup: torchrun's environment, or one plain process
+ddp = 'RANK' in os.environ
+if device == 'cuda' and not torch.cuda.is_available():
+    raise SystemExit('no CUDA device: run with --device=cpu (the toy world: python train.py config/toy.py)')
+if ddp:
+    dist.init_process_group('nccl' if device == 'cuda' else 'gloo')
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == 'cuda':
+        device = f'cuda:{int(os.environ["LOCAL_RANK"])}'
+        torch.cuda.set_device(device)
+else:
+    rank, world = 0, 1
+master = rank == 0
+n_clips = prompts_per_iter * group_size
+if n_clips % world:
+    raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world size {world}')
+n_local = n_clips // world  # clips of this rank: global indices rank * n_local + j
+
+
+def mix(*parts):
+    """A 63-bit seed from any tuple: rollouts are a function of (seed, iteration, clip index)."""
+    return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:15], 16)
+
+
+def gather(t):
+    """(n, ...) on every rank -> (world * n, ...) in global rank order."""
+    if not ddp:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def mean_all(x):
+    """The mean of a float over ranks (every rank gets the same number)."""
+    if not ddp:
+        return float(x)
+    t = torch.tensor([float(x)], device=device)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def read_prompts(path):
+    try:
+        with open(path) as f:
+            lines = [l.strip() for l in f if l.strip()]
+    except FileNotFoundError:
+        raise SystemExit(f'prompt file {path!r} not found (one prompt per line)')
+    if not lines:
+        raise SystemExit(f'prompt file {path!r} is empty (one prompt per line)')
+    return lines
+
+
+train_list, eval_list = read_prompts(train_prompts), read_prompts(eval_prompts)
+if master:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, '.write_test'), 'w') as f:
+            f.write('ok')
+        os.remove(os.path.join(out_dir, '.write_test'))
+    except OSError as e:
+        raise SystemExit(f'out_dir {out_dir!r} is not writable: {e}')
+    print(json.dumps(config, indent=1))
+
+# ----------------------------------------------------------------------------- models
+# prompt embeddings: computed once by rank 0 with the pipeline's own encoders, cached in out_dir,
+# encoders freed before the policy is loaded
+cache_file = os.path.join(out_dir, 'prompt_cache.pt')
+wanted = set(train_list) | set(eval_list) | {negative_prompt}
+cached = torch.load(cache_file) if os.path.exists(cache_file) else {}
+if master and not (cached.get('model') == model and wanted <= set(cached['text'])):
+    torch.save(dict(model=model, text=encode_prompts(model, sorted(wanted), device)), cache_file + '.tmp')
+    os.replace(cache_file + '.tmp', cache_file)  # atomic: a crash never leaves half a cache
+if ddp:
+    dist.barrier()
+text_cache = torch.load(cache_file)['text']
+
+ckpt = None
+if init_from == 'resume':
+    latest = os.path.join(out_dir, 'latest')
+    if not os.path.exists(latest):
+        raise SystemExit(f'init_from=resume but {out_dir!r} has no checkpoint')
+    with open(latest) as f:
+        ckpt = os.path.join(out_dir, f.read().strip())
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
+                     weights=ckpt and os.path.join(ckpt, 'model.safetensors'))
+params = [p for p in policy.parameters() if p.requires_grad]
+optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
+controller = KLController(lam_max=kl_max, target=kl_target, direction=kl_direction)
+decode = load_decoder(model, device)
+if reward_model == 'toy':
+    import toy
+    reward_fn, manifold_distance = toy.reward, toy.manifold_distance
+else:
+    from reward import load_videoalign
+    reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
+
+shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w)
+sigmas = sde.sigmas(num_steps, shift)                    # (N + 1,) from 1.0 to 0.0
+S = scales(sampler, sigmas, eta) if equalizer else torch.ones(num_steps)  # (N,) equalizer scales
+trained_steps = [i for i in range(num_steps) if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
+n_train = max(1, round(timestep_fraction * len(trained_steps)))
+use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('stepwise', 'dual')
+w_pos, w_vel = beta_pos * use_pos, beta_vel * use_vel  # 'moving' is the position term alone
+
+iter_num, opt_steps = 0, 0
+if ckpt is not None:  # optimizer, anchor, controller, counters; the weights were loaded above
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    state = torch.load(os.path.join(ckpt, 'state.pt'), weights_only=False)
+    set_optimizer_state_dict(policy, optimizer, optim_state_dict=state['optimizer'],
+                             options=StateDictOptions(full_state_dict=True))
+    anchor.load_state_dict(state['anchor'])
+    controller.load_state_dict(state['controller'])
+    iter_num, opt_steps = state['iter_num'], state['opt_steps']
+    if master:
+        print(f'resumed from {ckpt} at iteration {iter_num}')
+
+
+def text_for(prompts):
+    return batch_text(text_cache, prompts, device), batch_text(text_cache, [negative_prompt] * len(prompts), device)
+
+
+def evaluate():
+    """ODE samples of the held-out prompts with fixed seeds; mean rewards over all ranks."""
+    policy.eval()
+    mine = list(range(rank, len(eval_list), world))
+    rows = []
+    for c in range(0, len(mine), rollout_batch):
+        idx = mine[c:c + rollout_batch]
+        prompts = [eval_list[i] for i in idx]
+        gens = generators([mix(seed, 'eval', i) for i in idx])
+        text, text_neg = text_for(prompts)
+        x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, 'ode', 0.0, gens)
+        frames = decode(x)
+        sc = reward_fn(frames, prompts, fps)
+        sc['composite'] = combine(sc, reward_weights)
+        if manifold_distance is not None:
+            sc['manifold'] = manifold_distance(frames)
+        rows += [{k: float(v[j]) for k, v in sc.items()} for j in range(len(idx))]
+        for j, i in enumerate(idx):
+            if master and i < eval_videos * world:
+                os.makedirs(os.path.join(out_dir, 'eval'), exist_ok=True)
+                save_mp4(frames[j], os.path.join(out_dir, 'eval', f'iter{iter_num:06d}_{i}.mp4'), fps)
+    if ddp:
+        parts = [None] * world
+        dist.all_gather_object(parts, rows)
+        rows = [r for p in parts for r in p]
+    policy.train()
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+
+
+def save_checkpoint():
+    """Trainable weights as safetensors plus a state file, in a new directory renamed into place;
+    'latest' then points at it (atomic rename): a crash never leaves a half-written checkpoint."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
+        get_optimizer_state_dict
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered shard by shard to CPU
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    weights = {k: v.contiguous() for k, v in get_model_state_dict(policy, options=opts).items() if k in trainable}
+    optim = get_optimizer_state_dict(policy, optimizer, options=opts)
+    # the anchor's shards gathered one tensor at a time (a collective: every rank takes part)
+    anchor_state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in anchor.state_dict().items()}
+    if not master:
+        return
+    name = f'ckpt_{iter_num:06d}'
+    tmp, final = os.path.join(out_dir, name + '.tmp'), os.path.join(out_dir, name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(weights, os.path.join(tmp, 'model.safetensors'))
+    torch.save(dict(optimizer=optim, anchor=anchor_state, controller=controller.state_dict(),
+                    iter_num=iter_num, opt_steps=opt_steps, config=config), os.path.join(tmp, 'state.pt'))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
+        f.write(name)
+    os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
+    old = sorted(d for d in os.listdir(out_dir) if d.startswith('ckpt_') and not d.endswith('.tmp'))
+    for d in old[:-keep_checkpoints]:
+        shutil.rmtree(os.path.join(out_dir, d))
+
+
+def step_losses(b, t, clips):
+    """Policy loss and KL terms of local clips b (list) at their trained steps t (n,), SPEC 4."""
+    x, prev = clips['xs'][b, t], clips['xs'][b, t + 1]           # (n, C, F, h, w)
+    s, s_next = sigmas[t], sigmas[t + 1]                          # (n,)
+    text, text_neg = text_for([clips['prompts'][i] for i in b])
+    if use_pos:  # the anchor's forward comes first and without grad: its in-place weight swap
+        with torch.no_grad(), anchor.applied(policy):  # must not happen between a forward and its backward
+            v_anchor = velocity(policy, x, s, text, cfg, text_neg)
+        mean_anchor = sde.step(x, v_anchor, s, s_next, sampler, eta, prev=prev).mean
+    # both CFG branches carry gradients: the rollout policy is the guided velocity, so the exact
+    # gradient of its log-prob flows through the conditional and the unconditional forward alike
+    v = velocity(policy, x, s, text, cfg, text_neg)
+    new = sde.step(x, v, s, s_next, sampler, eta, prev=prev)
+    A = clips['adv'][b]                                            # (n,)
+    ratio = torch.exp(new.logp - clips['logps'][b, t])
+    policy_loss = S[t] * torch.maximum(-A * ratio, -A * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
+    kl_pos = gaussian_kl(new.mean, mean_anchor, new.std) if use_pos else torch.zeros_like(A)
+    kl_vel = gaussian_kl(new.mean, clips['means'][b, t], new.std) if use_vel else torch.zeros_like(A)
+    return policy_loss, kl_pos, kl_vel, ratio
+
+
+def grad_norm():
+    n = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return (n.full_tensor() if isinstance(n, DTensor) else n).item()
+
+
+def grad_norm_of(loss):
+    """Backward one loss alone and return its gradient's global norm (leaves .grad empty)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    n = grad_norm()
+    optimizer.zero_grad(set_to_none=True)
+    return n
+
+
+# ----------------------------------------------------------------------------- training loop
+if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
+    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+        json.dump(config, f, indent=1)
+if wandb_log and master:
+    try:
+        import wandb
+        wandb.init(project=wandb_project, config=config)
+    except ImportError:
+        wandb_log = False
+        print('wandb is not installed: logging to metrics.jsonl only')
+first_eval = None
+if iter_num == 0:
+    first_eval = evaluate()
+    if master:
+        print('eval iter 0: ' + ' '.join(f'{k} {v:.4f}' for k, v in first_eval.items()))
+policy.train()
+while iter_num < max_iters:
+    t0 = time.time()
+    # ---- rollout: G clips per prompt, keeping per step what training needs
+    g = torch.Generator().manual_seed(mix(seed, 'prompts', iter_num))
+    chosen = (torch.randperm(len(train_list), generator=g)[:prompts_per_iter] if prompts_per_iter <= len(train_list)
+              else torch.randint(len(train_list), (prompts_per_iter,), generator=g)).tolist()
+    gids = list(range(rank * n_local, (rank + 1) * n_local))      # global clip indices of this rank
+    prompts = [train_list[chosen[i // group_size]] for i in gids]
+    traj, latents = [], []
+    for c in tqdm(range(0, n_local, rollout_batch), desc='rollout', disable=not master, leave=False):
+        idx = gids[c:c + rollout_batch]
+        gens = generators([mix(seed, 'rollout', iter_num, i) for i in idx])
+        text, text_neg = text_for(prompts[c:c + rollout_batch])
+        x, rec = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True)
+        traj.append(rec)
+        latents.append(x)
+    clips = {k: torch.cat([r[k] for r in traj]) for k in traj[0]}  # xs (n, N+1, C, F, h, w), ...
+    clips['prompts'] = prompts
+    t1 = time.time()
+
+    # ---- reward: decode and score in memory
+    frames = torch.cat([decode(x) for x in latents])               # (n, F, 3, H, W) in [0, 1]
+    scores = reward_fn(frames, prompts, fps)
+    r_local = combine(scores, reward_weights).float().to(device)   # (n,)
+    t2 = time.time()
+
+    # ---- advantage: over each whole group, even when it spans ranks; a NaN reward drops that member
+    r = gather(r_local).view(prompts_per_iter, group_size)          # (P, G)
+    valid = ~torch.isnan(r)
+    n_valid = valid.sum(1, keepdim=True)
+    r0 = torch.where(valid, r, 0.0)
+    mean = r0.sum(1, keepdim=True) / n_valid.clamp(min=1)
+    std = (torch.where(valid, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / n_valid.clamp(min=1)).sqrt()
+    adv = ((r - mean) / std.clamp(min=1e-6)).clamp(-adv_clip, adv_clip)
+    adv = torch.where(valid & (n_valid >= 2), adv, 0.0)            # groups of equal rewards get exactly 0
+    adv = torch.where(std > 1e-6, adv, 0.0)
+    clips['adv'] = adv.flatten()[rank * n_local:(rank + 1) * n_local]
+    weight_local = valid.flatten()[rank * n_local:(rank + 1) * n_local].float()
+
+    # ---- diagnostics: gradient norm of one clip's policy loss at the first and last trained step
+    diag = {}
+    if diag_every and iter_num % diag_every == 0:
+        b = [0]
+        for name, t in (('first', trained_steps[0]), ('last', trained_steps[-1])):
+            pl, kp, kv, _ = step_losses(b, torch.tensor([t]), clips)
+            diag[f'gnorm_{name}'] = grad_norm_of(pl.sum() / S[t])      # without the equalizer
+            diag[f'gnorm_{name}_eq'] = diag[f'gnorm_{name}'] * S[t].item()  # with it (S_t is a constant)
+        if kl_strategy != 'none':
+            t = trained_steps[len(trained_steps) // 2]
+            pl, kp, kv, _ = step_losses(b, torch.tensor([t]), clips)
+            g_pg = grad_norm_of(pl.sum())
+            pl, kp, kv, _ = step_losses(b, torch.tensor([t]), clips)
+            g_kl = grad_norm_of(controller.value * (w_pos * kp + w_vel * kv).sum())
+            diag['kl_grad_ratio'] = g_kl / max(g_pg, 1e-30)
+
+    # ---- update: every trained step of every clip, in a random order per clip
+    n_valid_all = max(1.0, float(valid.sum()))
+    order = torch.stack([torch.tensor(trained_steps)[torch.randperm(len(trained_steps), generator=torch.Generator()
+                         .manual_seed(mix(seed, 'order', iter_num, i)))[:n_train]] for i in gids])  # (n, n_train)
+    stats = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0)
+    chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
+    bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
+    for chunk in chunks:
+        optimizer.zero_grad(set_to_none=True)
+        mbs = [chunk[i:i + train_batch] for i in range(0, len(chunk), train_batch)]
+        denom = n_valid_all * n_train / world / len(chunks)  # FSDP averages gradients over ranks
+        kl_chunk = []
+        for m, b in enumerate(mbs):
+            for k in range(n_train):
+                if ddp:  # reduce-scatter gradients only on the last backward of the optimizer step
+                    policy.set_requires_gradient_sync(m == len(mbs) - 1 and k == n_train - 1)
+                pl, kp, kv, ratio = step_losses(b, order[b, k], clips)
+                kl = w_pos * kp + w_vel * kv                      # (n,)
+                loss = ((pl + controller.value * kl) * weight_local[b]).sum() / denom
+                loss.backward()
+                stats['loss'] += loss.item()
+                stats['kl_pos'] += kp.sum().item() / (n_local * n_train)
+                stats['kl_vel'] += kv.sum().item() / (n_local * n_train)
+                stats['clipfrac'] += ((ratio - 1).abs() > clip_range).float().sum().item() / (n_local * n_train)
+                kl_chunk.append(kl.mean().item())
+                bar.update(len(b))
+        gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        stats['grad_norm'] += float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn) / len(chunks)
+        optimizer.step()
+        opt_steps += 1
+        # ---- anchor and lambda_KL: once per optimizer step, from the KL observed over all ranks
+        controller.update(mean_all(sum(kl_chunk) / len(kl_chunk)))
+        anchor.maybe_refresh(policy, opt_steps)
+    bar.close()
+    t3 = time.time()
+    iter_num += 1
+
+    # ---- log
+    rs = torch.cat([gather(scores[k].float().to(device)) for k in ('VQ', 'MQ', 'TA')]).view(3, -1)
+    row = dict(iter=iter_num, reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
+               MQ=torch.nanmean(rs[1]).item(), TA=torch.nanmean(rs[2]).item(),
+               group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
+               nan_rewards=int((~valid).sum()), kl_pos=mean_all(stats['kl_pos']), kl_vel=mean_all(stats['kl_vel']),
+               lambda_kl=controller.value, clipfrac=mean_all(stats['clipfrac']), grad_norm=stats['grad_norm'],
+               **diag, t_rollout=t1 - t0, t_reward=t2 - t1, t_update=t3 - t2,
+               peak_mem_gb=(torch.cuda.max_memory_allocated() if 'cuda' in str(device) else
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30)
+    if master:
+        print(f"iter {iter_num}: reward {row['reward']:.4f} (VQ {row['VQ']:.3f} MQ {row['MQ']:.3f} "
+              f"TA {row['TA']:.3f}) std {row['group_std']:.3f} kl {row['kl_pos']:.2e}/{row['kl_vel']:.2e} "
+              f"lam {row['lambda_kl']:.1e} gnorm {row['grad_norm']:.3f} "
+              f"time {row['t_rollout']:.1f}/{row['t_reward']:.1f}/{row['t_update']:.1f}s")
+        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+            f.write(json.dumps(row) + '\n')
+        if wandb_log:
+            wandb.log(row, step=iter_num)
+
+    # ---- eval and checkpoint, every K iterations and at the end
+    last = iter_num == max_iters
+    if (eval_every and iter_num % eval_every == 0) or last:
+        ev = evaluate()
+        if master:
+            print(f'eval iter {iter_num}: ' + ' '.join(f'{k} {v:.4f}' for k, v in ev.items()))
+            with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+                f.write(json.dumps({'iter': iter_num, **{f'eval_{k}': v for k, v in ev.items()}}) + '\n')
+        if last and first_eval is not None and master:
+            print(f"eval composite before {first_eval['composite']:.4f} -> after {ev['composite']:.4f}")
+    if (save_every and iter_num % save_every == 0) or last:
+        save_checkpoint()
+
+if ddp:
+    dist.destroy_process_group()

@@ -1,0 +1,167 @@
+"""
+The trust region of SAGE-GRPO (SPEC section 4): the KL of two transition Gaussians, the anchor
+(a frozen copy of the policy's trainable weights) and the lambda_KL controller.
+
+    KL(mean_a, mean_b) = mean over elements of (mean_a - mean_b)^2 / (2 std_t^2)
+    loss_kl = lambda_KL * (beta_pos * KL(mean_theta, mean_anchor) + beta_vel * KL(mean_theta, mean_old))
+
+Strategies: 'none' (no KL), 'fixed' (anchor = initial model), 'stepwise' (velocity term only),
+'moving' (anchor refreshed every N optimizer steps, position term), 'dual' (both: the paper's).
+'none' and 'stepwise' need no anchor: Anchor() may be built for them but holds nothing.
+
+Where this differs from the paper and why:
+- the controller updates once per optimizer step (as the paper counts), not once per
+  sample x timestep as its released code does.
+- the controller keeps the printed direction (high KL *relaxes* the penalty) by default; it is one
+  constant, DIRECTION, and -1 gives the stabilising controller.
+
+Tested by: python -m pytest tests/test_trust_region.py   (the FSDP2 part runs torchrun on CPU)
+"""
+import contextlib
+from collections import deque
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies of SPEC section 4
+ANCHOR_EVERY = 10  # moving anchor: copy policy -> anchor every N optimizer steps
+LAM_INIT = 1e-7  # lambda_KL at the first optimizer step (start of the warm-up)
+LAM_MIN = 1e-7  # lower clip of lambda_KL
+LAM_MAX = 1e-5  # upper clip of lambda_KL, and the end of the warm-up
+KL_TARGET = 1e-5  # target of the windowed mean KL
+WARMUP = 100  # updates of linear warm-up LAM_INIT -> LAM_MAX before the deadband rule
+WINDOW = 10  # the deadband compares the mean of the last WINDOW observed KLs
+HIGH, LOW = 1.5, 0.5  # deadband edges, as multiples of KL_TARGET
+DECAY, GROW = 0.9, 1.1  # multipliers of lambda_KL when leaving the deadband
+DIRECTION = +1  # +1: the paper's printed rule, KL high -> lambda *= DECAY (relaxes); -1 stabilises
+
+
+def gaussian_kl(mean, mean_ref, std):
+    """KL(N(mean, std^2) || N(mean_ref, std^2)) per sample, averaged over elements; (B,) float32."""
+    B = mean.shape[0]
+    std = torch.as_tensor(std, dtype=torch.float32, device=mean.device).expand(B)  # (B,)
+    sq = (mean.float() - mean_ref.float()).pow(2).flatten(1).mean(1)  # (B,)
+    return sq / (2 * std**2)
+
+
+def _reshard(model):
+    # FSDP2 leaves the root's weights all-gathered after a forward (they are needed for backward),
+    # and then named_parameters() returns those full tensors. Resharding every FSDP module puts the
+    # sharded DTensors back and makes the next forward all-gather again, from what we wrote.
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _trainable(model):
+    # the weights the optimizer moves: all of them for a full fine-tune, the adapters for LoRA
+    # (peft freezes the base; with diffusers' add_adapter, call requires_grad_(False) first)
+    _reshard(model)
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+class Anchor:
+    """A frozen copy of the policy's trainable weights; under FSDP2 it holds only local shards."""
+
+    def __init__(self, model, strategy='dual', every=ANCHOR_EVERY):
+        if strategy not in STRATEGIES:
+            raise ValueError(f'unknown KL strategy {strategy!r}, expected one of {STRATEGIES}')
+        self.strategy, self.every = strategy, every
+        self.weights = {}  # name -> tensor (a sharded DTensor under FSDP2); empty if not needed
+        if strategy in ('fixed', 'moving', 'dual'):
+            with torch.no_grad():  # clone of a DTensor is a DTensor with the same local shard size
+                self.weights = {n: p.detach().clone() for n, p in _trainable(model).items()}
+
+    @torch.no_grad()
+    def refresh(self, model):
+        params = _trainable(model)
+        for name, w in self.weights.items():  # nothing for 'none' / 'stepwise'
+            w.copy_(params[name])
+
+    def maybe_refresh(self, model, step):
+        # step = optimizer steps done so far; 'fixed' keeps the initial model forever
+        if self.strategy in ('moving', 'dual') and step % self.every == 0:
+            self.refresh(model)
+
+    @contextlib.contextmanager
+    def applied(self, model):
+        """with anchor.applied(model): v_anchor = model(...)  -- anchor weights, no grad.
+
+        Run it BEFORE the policy's grad-tracking forward of the same micro-batch: the weights are
+        swapped in place, and a swap between a forward and its backward corrupts autograd (the
+        version-counter check raises, and FSDP2's kept-gathered root would serve the anchor).
+        """
+        if not self.weights:
+            raise RuntimeError(f'strategy {self.strategy!r} keeps no anchor')
+        params = _trainable(model)
+        with torch.no_grad():
+            saved = {name: p.detach().clone() for name, p in params.items()}  # the policy's weights
+            try:
+                for name, p in params.items():
+                    p.copy_(self.weights[name])
+                yield  # the body runs under no_grad too: the anchor's output is a target
+            finally:  # reshard first, or the root keeps the anchor's gathered weights
+                params = _trainable(model)
+                for name, p in params.items():
+                    p.copy_(saved[name])  # bitwise: a plain copy of the same dtype and layout
+
+    def state_dict(self):
+        # name -> the anchor's own tensors (no copy, like nn.Module.state_dict): trainable-parameter
+        # names of the model; under FSDP2 sharded DTensors, to save with torch.distributed.checkpoint
+        # or gather with .full_tensor() on every rank. {} for 'none' / 'stepwise'.
+        return dict(self.weights)
+
+    @torch.no_grad()
+    def load_state_dict(self, sd):
+        if sd.keys() != self.weights.keys():
+            raise KeyError(f'anchor keys differ: {sorted(set(sd) ^ set(self.weights))[:5]}')
+        for name, w in self.weights.items():
+            src = sd[name]
+            if isinstance(w, DTensor) and not isinstance(src, DTensor):  # a gathered full tensor
+                src = distribute_tensor(src.to(w.device), w.device_mesh, w.placements)
+            w.copy_(src)
+
+
+class KLController:
+    """lambda_KL: linear warm-up, then a deadband rule on the windowed mean KL (SPEC section 4).
+
+    .value is the lambda for the next optimizer step. update(kl) is called once after each
+    optimizer step with the KL that step observed; after update number k (1-based) the value is
+        k <= warmup:  lam_init + (lam_max - lam_init) * k / warmup    (step 0 trains with lam_init,
+                                                                       step `warmup` with lam_max)
+        k >  warmup:  the deadband rule on the mean of the last `window` KLs (warm-up KLs count).
+    """
+
+    def __init__(self, lam_init=LAM_INIT, lam_min=LAM_MIN, lam_max=LAM_MAX, target=KL_TARGET,
+                 warmup=WARMUP, window=WINDOW, high=HIGH, low=LOW, decay=DECAY, grow=GROW,
+                 direction=DIRECTION):
+        self.lam_init, self.lam_min, self.lam_max, self.target = lam_init, lam_min, lam_max, target
+        self.warmup, self.high, self.low, self.direction = warmup, high, low, direction
+        self.decay, self.grow = decay, grow
+        self.value = lam_init  # lambda_KL of the next optimizer step
+        self.updates = 0  # update() calls so far = optimizer steps done
+        self.history = deque(maxlen=window)  # the last `window` observed KLs
+
+    def update(self, kl):
+        self.updates += 1
+        self.history.append(float(kl))
+        if self.updates <= self.warmup:
+            frac = self.updates / self.warmup
+            self.value = self.lam_init + (self.lam_max - self.lam_init) * frac
+            return self.value
+        mean_kl = sum(self.history) / len(self.history)
+        if mean_kl > self.high * self.target:  # KL too high: +1 relaxes (as printed), -1 tightens
+            self.value *= self.decay if self.direction > 0 else self.grow
+        elif mean_kl < self.low * self.target:  # KL too low: +1 tightens, -1 relaxes
+            self.value *= self.grow if self.direction > 0 else self.decay
+        self.value = min(max(self.value, self.lam_min), self.lam_max)
+        return self.value
+
+    def state_dict(self):
+        return {'value': self.value, 'updates': self.updates, 'history': list(self.history)}
+
+    def load_state_dict(self, sd):
+        self.value, self.updates = float(sd['value']), int(sd['updates'])
+        self.history.clear()
+        self.history.extend(float(k) for k in sd['history'])
