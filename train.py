@@ -466,4 +466,5 @@ while iter_num < max_iters:
         save_checkpoint()
 
 if ddp:
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()

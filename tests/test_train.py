@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a small toy run: 2 prompts x G=2, 4 sampler steps, no evaluation in between
-SMALL = ['config/toy.py', '--prompts_per_iter=2', '--group_size=2', '--num_steps=4', '--rollout_batch=4',
+SMALL = ['train.py', 'config/toy.py', '--prompts_per_iter=2', '--group_size=2', '--num_steps=4', '--rollout_batch=4',
          '--train_batch=2', '--eval_every=0', '--eval_videos=1', '--save_every=2', '--diag_every=1']
 
 
@@ -108,7 +108,7 @@ def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
     root = make_tiny_hunyuan(str(tmp_path / 'hv'))
     ckpt_dir, qwen_dir = make_tiny_videoalign(str(tmp_path / 'va'))
     out = str(tmp_path / 'out')
-    run([f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
+    run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
          '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
          '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
          '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt'], torchrun=True)

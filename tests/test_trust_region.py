@@ -45,7 +45,8 @@ def test_controller_warmup_deadband_and_clip():
     c = tr.KLController()
     assert c.value == tr.LAM_INIT  # optimizer step 0 trains with lam_init
     values = [c.update(0.0) for _ in range(tr.WARMUP)]  # KL ignored during warm-up
-    assert math.isclose(values[0], 1e-7 + (1e-5 - 1e-7) / 100) and math.isclose(values[49], 1e-7 + (1e-5 - 1e-7) / 2)
+    assert math.isclose(values[0], 1e-7 + (1e-5 - 1e-7) / 100)  # after update 1: step 1's value
+    assert math.isclose(values[49], 1e-7 + (1e-5 - 1e-7) / 2)
     assert math.isclose(values[-1], 1e-5) and c.value == values[-1]
     c = tr.KLController(warmup=0, lam_init=1e-6)
     assert math.isclose(c.update(1e-5), 1e-6)  # inside the deadband: unchanged
@@ -67,7 +68,8 @@ def test_controller_direction_in_a_loop(lam_max):
     # the policy drifts less the stronger the penalty: observed KL = k / lambda, KL = target at 1e-6
     k = 1e-6 * tr.KL_TARGET
     for start in dict(), dict(warmup=0, lam_init=1e-7):  # after the warm-up (at lam_max) / from below
-        printed, flipped = tr.KLController(lam_max=lam_max, **start), tr.KLController(lam_max=lam_max, direction=-1, **start)
+        printed = tr.KLController(lam_max=lam_max, **start)
+        flipped = tr.KLController(lam_max=lam_max, direction=-1, **start)
         for _ in range(1000):
             printed.update(k / printed.value)
             flipped.update(k / flipped.value)
