@@ -129,3 +129,12 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     sheet = iio.imread(os.path.join(out, 'contact_sheet.png'))
     assert sheet.shape[0] == 2 * 2 * (toy.HEIGHT + 2) and sheet.shape[1] == toy.FRAMES * (toy.WIDTH + 2)
     assert 'contact sheet' in p.stdout
+
+
+def test_lora_trains_only_adapters(tmp_path):
+    out = str(tmp_path / 'lora')
+    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4'])
+    rows = check_run(out, 1)
+    w = weights(out)  # the checkpoint holds the adapters and nothing else
+    assert w and all('lora' in k for k in w), list(w)[:5]
+    assert any(v.abs().sum() > 0 for k, v in w.items() if 'lora_B' in k)  # B started at 0 and moved

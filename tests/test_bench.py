@@ -1,0 +1,66 @@
+"""
+bench.py --quick end to end (~2 min on 2 cores): every section runs in its reduced form and writes
+finite numbers, the Markdown tables and (with matplotlib) the plots.
+
+    python -m pytest tests/test_bench.py
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def numbers(x):
+    """Every int/float inside a JSON value."""
+    if isinstance(x, bool):
+        return []
+    if isinstance(x, (int, float)):
+        return [x]
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in numbers(v)]
+    if isinstance(x, list):
+        return [n for v in x for n in numbers(v)]
+    return []
+
+
+@pytest.fixture(scope='module')
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench')
+    p = subprocess.run([sys.executable, 'bench.py', '--quick', f'--out={out}'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=180)  # the issue's bound: 3 minutes
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def test_outputs_exist_and_are_finite(quick):
+    with open(quick / 'bench.json') as f:
+        res = json.load(f)
+    for section in ('1', '2', '3', '4', '5'):
+        assert section in res, f'section {section} missing from bench.json'
+    nums = numbers({k: res[k] for k in ('1', '2', '3', '4', '5')})
+    assert len(nums) > 100 and all(math.isfinite(n) for n in nums)
+    # the headline numbers are there and sane
+    assert res['2']['stats']['sage']['ratio_eq'] < res['2']['stats']['sage']['ratio']  # S_t equalizes
+    assert res['4']['runs']['1 process']['peak_mem_gb'] > 0
+    assert res['4']['runs']['overhead']['ratio'] > 0
+    assert 8.0e9 < res['5']['P'] < 8.7e9  # HunyuanVideo 1.5: 8.3B parameters
+    assert len(os.listdir(quick / 'cells')) >= 10  # every cell cached for the next run
+
+
+def test_markdown_tables(quick):
+    md = (quick / 'README.md').read_text()
+    for head in ('## 1.', '## 2.', '## 3.', '## 4.', '## 5.', 'Overhead ratio', 'Matched exploration'):
+        assert head in md
+    assert 'nan' not in md.lower().replace('nanogpt', '')
+
+
+def test_plots(quick):
+    pytest.importorskip('matplotlib')  # the tables do not need it, the PNGs do
+    for name in ('samplers.png', 'fig4_gradnorm.png', 'ablation_a.png'):
+        data = (quick / name).read_bytes()
+        assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 1000
