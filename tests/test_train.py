@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a small toy run: 2 prompts x G=2, 4 sampler steps, no evaluation in between
 SMALL = ['train.py', 'config/toy.py', '--prompts_per_iter=2', '--group_size=2', '--num_steps=4', '--rollout_batch=4',
-         '--train_batch=2', '--eval_every=0', '--eval_videos=1', '--save_every=2', '--diag_every=1']
+         '--train_batch=2', '--eval_every=0', '--eval_samples=1', '--eval_videos=1', '--save_every=2', '--diag_every=1']
 
 
 def run(args, torchrun=False, check=True, timeout=300):
