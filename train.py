@@ -175,7 +175,7 @@ if master:
 # encoders freed before the policy is loaded
 cache_file = os.path.join(out_dir, 'prompt_cache.pt')
 wanted = set(train_list) | set(eval_list) | {negative_prompt}
-cached = torch.load(cache_file) if os.path.exists(cache_file) else {}
+cached = torch.load(cache_file) if master and os.path.exists(cache_file) else {}
 if master and not (cached.get('model') == model and wanted <= set(cached['text'])):
     torch.save(dict(model=model, text=encode_prompts(model, sorted(wanted), device)), cache_file + '.tmp')
     os.replace(cache_file + '.tmp', cache_file)  # atomic: a crash never leaves half a cache
@@ -205,8 +205,8 @@ else:
     reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
 
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w)
-sigmas = sde.sigmas(num_steps, shift)                    # (N + 1,) from 1.0 to 0.0
-S = scales(sampler, sigmas, eta) if equalizer else torch.ones(num_steps)  # (N,) equalizer scales
+sigmas = sde.sigmas(num_steps, shift).to(device)        # (N + 1,) from 1.0 to 0.0
+S = (scales(sampler, sigmas.cpu(), eta) if equalizer else torch.ones(num_steps)).to(device)  # (N,) S_t
 trained_steps = [i for i in range(num_steps) if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
 n_train = max(1, round(timestep_fraction * len(trained_steps)))
 use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('stepwise', 'dual')

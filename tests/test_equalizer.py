@@ -8,14 +8,6 @@ import sde
 STOCHASTIC = ('dance', 'flow', 'sage', 'cps')
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():  # small tensors on shared cores: a second intra-op thread only adds spin-waits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_spec_table():
     # SPEC section 3, sage at eta 0.5, 20 steps, shift 5, steps 0, 1, 5, 10, 15, 19
     sig, idx = sde.sigmas(20, 5.0), [0, 1, 5, 10, 15, 19]

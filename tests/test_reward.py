@@ -18,15 +18,6 @@ FPS = 8  # test clips: 8 frames at 8 fps -> 4 sampled frames, 32x48 -> 280x392, 
 PROMPTS = ["a cat", "a dog runs across a wide green park at night", "x"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls: on a shared 2-core machine thread contention costs 20x, so run single-threaded
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_videoalign(str(tmp_path_factory.mktemp("videoalign")))

@@ -14,14 +14,6 @@ STOCHASTIC = ('dance', 'flow', 'sage', 'cps')
 C = 0.5  # std of the toy data x0 ~ N(0, C^2 I) in the marginal tests
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():  # small tensors on shared cores: a second intra-op thread only adds spin-waits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def scheduler(num_steps, shift):
     # what HunyuanVideo15Pipeline does: linear sigmas without the 0, shifted by the scheduler
     sch = FlowMatchEulerDiscreteScheduler(shift=shift)

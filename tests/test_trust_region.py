@@ -15,14 +15,6 @@ import trust_region as tr
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():  # small tensors on shared cores: a second intra-op thread only adds spin-waits
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_gaussian_kl_is_the_mean_log_ratio():
     # KL(a || b) = E_{x~a}[logp_a(x) - logp_b(x)], logp averaged over elements like sde.step's
     g = torch.Generator().manual_seed(0)
