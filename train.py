@@ -216,8 +216,10 @@ iter_num, opt_steps = 0, 0
 if ckpt is not None:  # optimizer, anchor, controller, counters; the weights were loaded above
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     state = torch.load(os.path.join(ckpt, 'state.pt'), weights_only=False)
+    # strict=False: a weight that never got a gradient (the last block's text-stream output, whose
+    # result the transformer discards) has no AdamW state, in the saved run as in this one
     set_optimizer_state_dict(policy, optimizer, optim_state_dict=state['optimizer'],
-                             options=StateDictOptions(full_state_dict=True))
+                             options=StateDictOptions(full_state_dict=True, strict=False))
     anchor.load_state_dict(state['anchor'])
     controller.load_state_dict(state['controller'])
     iter_num, opt_steps = state['iter_num'], state['opt_steps']

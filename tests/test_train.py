@@ -96,7 +96,7 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
     for args, message in cases:
         p = run(SMALL + [f'--out_dir={out}'] + args, check=False)
         assert p.returncode != 0 and message in p.stdout + p.stderr, (args, p.stderr[-2000:])
-    p = run(SMALL + ['--prompts_per_iter=3', f'--out_dir={tmp_path / "odd"}'], torchrun=True, check=False)
+    p = run(SMALL + ['--prompts_per_iter=3', '--group_size=3', f'--out_dir={tmp_path / "odd"}'], torchrun=True, check=False)
     assert p.returncode != 0 and 'divisible by the world size' in p.stdout + p.stderr
     after = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
     assert before == after
