@@ -88,7 +88,10 @@ for name, ckpt in models:
     print(f'{name}: {len(prompt_list)} videos in {out_dir}/ ({ckpt or model})')
     del policy
 
-# contact sheet: for each prompt, one row of frames per model (base above aligned), 2-pixel gaps
+# contact sheet: for each prompt, one row of frames per model (base above aligned), 2-pixel gaps;
+# small frames (the toy's 24x24) are enlarged by an integer factor, nearest neighbour
+zoom = max(1, 96 // rows[0].shape[-2])
+rows = [f.repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]
 B, F, _, H, W = rows[0].shape
 gap = 2
 sheet = torch.ones(3, B * len(rows) * (H + gap), F * (W + gap))
