@@ -23,4 +23,4 @@ max_iters = 40
 eval_every = 20
 eval_samples = 2                # 16 held-out prompts x 2 seeds
 save_every = 20
-diag_every = 10
+diag_every = 3                  # not a divisor of anchor_every: right after a refresh the KL gradient is 0 by construction
