@@ -513,7 +513,8 @@ def time_passes(cfg_run):
     n = cfg_run['num_steps']
     rb, tb = min(cfg_run['rollout_batch'], n_clips), min(cfg_run['train_batch'], n_clips)  # clips per pass
     sig = sde.sigmas(n, cfg_run['shift'])
-    n_train = sum(sde.variance('sage', sig[i].item(), sig[i + 1].item(), eta) > 0 for i in range(n))
+    n_sto = sum(sde.variance('sage', sig[i].item(), sig[i + 1].item(), eta) > 0 for i in range(n))
+    n_train = max(1, round((cfg_run.get('timestep_fraction') or 1.0) * n_sto))  # as train.py trains them
     prompts = (toy.all_prompts() * 4)[:n_clips]
     cache = M.encode_prompts(toy.DIR, prompts + [''])
     shape = M.latent_shape(toy.DIR, 0, 0, 0)
@@ -552,7 +553,7 @@ def section4():
     one = run_train(f'cost_1proc_it{cost_iters}_p{ov.get("prompts_per_iter", 8)}', ov)
     two = run_train(f'cost_fsdp2_it{cost_iters}_p{ov.get("prompts_per_iter", 8)}', ov, nproc=2)
     cfg_run = {k: TOY.get(k) for k in ('prompts_per_iter', 'group_size', 'rollout_batch', 'train_batch',
-                                       'num_steps', 'shift', 'cfg')}
+                                       'num_steps', 'shift', 'cfg', 'timestep_fraction')}
     cfg_run.update({k: v for k, v in ov.items() if k in cfg_run})
     passes = cell(f's4_passes_p{cfg_run["prompts_per_iter"]}', lambda: time_passes(cfg_run))
     res = {}
