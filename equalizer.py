@@ -13,7 +13,6 @@ trained: their proxy is a placeholder 0 (not inf) and their scale is 1.
 
 Tested by: python -m pytest tests/test_equalizer.py
 """
-import math
 
 import torch
 

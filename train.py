@@ -19,7 +19,6 @@ Where this code knowingly differs from the paper or its released code:
 """
 import hashlib
 import json
-import math
 import os
 import resource
 import shutil
@@ -426,7 +425,7 @@ while iter_num < max_iters:
                 kl_chunk.append(kl.mean().item())
                 bar.update(len(b))
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        stats['grad_norm'] += float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn) / len(chunks)
+        stats['grad_norm'] += float(gn.full_tensor() if isinstance(gn, DTensor) else gn) / len(chunks)
         optimizer.step()
         opt_steps += 1
         # ---- anchor and lambda_KL: once per optimizer step, from the KL observed over all ranks

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import imageio.v3 as iio
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -135,7 +134,7 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
 def test_lora_trains_only_adapters(tmp_path):
     out = str(tmp_path / 'lora')
     run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4'])
-    rows = check_run(out, 1)
+    check_run(out, 1)
     w = weights(out)  # the checkpoint holds the adapters and nothing else
     assert w and all('lora' in k for k in w), list(w)[:5]
     assert any(v.abs().sum() > 0 for k, v in w.items() if 'lora_B' in k)  # B started at 0 and moved
