@@ -220,7 +220,7 @@ def encode(frames):
 
 def decode(latents):
     """latents (B, C, F, h, w) -> frames (B, F, 3, H, W) clamped to [0, 1]."""
-    B, P, (C, Fr, h, w) = latents.shape[0], PATCH, LATENT_SHAPE
+    B, P, (_, Fr, h, w) = latents.shape[0], PATCH, LATENT_SHAPE  # C = 3 * P * P
     x = latents.float().reshape(B, 3, P, P, Fr, h, w).permute(0, 4, 1, 5, 2, 6, 3)  # (B, F, 3, h, P, w, P)
     return ((x.reshape(B, Fr, 3, HEIGHT, WIDTH) / LATENT_SCALE + 1) / 2).clamp(0, 1)
 

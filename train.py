@@ -34,7 +34,7 @@ from configurator import configure
 from equalizer import scales
 from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4, velocity
-from reward import combine
+from reward import combine, group_advantages
 from trust_region import Anchor, KLController, gaussian_kl
 
 # ----------------------------------------------------------------------------- settings
@@ -257,7 +257,7 @@ def evaluate():
         dist.all_gather_object(parts, rows)
         rows = [r for p in parts for r in p]
     policy.train()
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    return {k: torch.tensor([r[k] for r in rows]).nanmean().item() for k in rows[0]}  # NaN: unscored video
 
 
 def save_checkpoint():
@@ -371,14 +371,13 @@ while iter_num < max_iters:
 
     # ---- advantage: over each whole group, even when it spans ranks; a NaN reward drops that member
     r = gather(r_local).view(prompts_per_iter, group_size)          # (P, G)
-    valid = ~torch.isnan(r)
-    n_valid = valid.sum(1, keepdim=True)
-    r0 = torch.where(valid, r, 0.0)
-    mean = r0.sum(1, keepdim=True) / n_valid.clamp(min=1)
-    std = (torch.where(valid, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / n_valid.clamp(min=1)).sqrt()
-    adv = ((r - mean) / std.clamp(min=1e-6)).clamp(-adv_clip, adv_clip)
-    adv = torch.where(valid & (n_valid >= 2), adv, 0.0)            # groups of equal rewards get exactly 0
-    adv = torch.where(std > 1e-6, adv, 0.0)
+    adv, valid, std = group_advantages(r, adv_clip)
+    if not valid.any():  # a broken reward model, not a bad clip: stop before it touches the weights
+        raise RuntimeError(f'iteration {iter_num + 1}: every reward is NaN; the reward model is failing '
+                           f'(see its warnings above). Checkpoints in {out_dir} are untouched.')
+    if master and not valid.all():
+        print(f'warning: iteration {iter_num + 1}: {int((~valid).sum())} of {valid.numel()} rewards are NaN; '
+              'those clips are left out of their groups and of the loss')
     clips['adv'] = adv.flatten()[rank * n_local:(rank + 1) * n_local]
     weight_local = valid.flatten()[rank * n_local:(rank + 1) * n_local].float()
 

@@ -225,6 +225,38 @@ def test_combine_settings():
     assert torch.equal(reward.combine(s, reward.SETTING_B), reward.combine(s))
 
 
+
+def slow_advantages(rows, clip):
+    """Per-group reference in plain Python: statistics.pstdev over the finite rewards of each group."""
+    import statistics
+    out = []
+    for row in rows:
+        ok = [x for x in row if not math.isnan(x)]
+        if len(ok) < 2 or statistics.pstdev(ok) <= 1e-6:
+            out.append([0.0] * len(row))
+            continue
+        m, s = statistics.fmean(ok), statistics.pstdev(ok)
+        out.append([0.0 if math.isnan(x) else max(-clip, min(clip, (x - m) / s)) for x in row])
+    return out
+
+
+def test_group_advantages_with_nan_and_degenerate_groups():
+    nan = float("nan")
+    rows = [[1.0, 2.0, 4.0, 7.0],        # plain group
+            [0.3, nan, 0.9, 0.1],        # one unscored video: left out of mean and std
+            [nan, nan, 5.0, nan],        # one finite member: nothing to compare against
+            [nan, nan, nan, nan],        # nothing scored
+            [2.0, 2.0, nan, 2.0],        # equal rewards: exactly 0, not 0/eps
+            [0.0, 0.0, 0.0, 100.0]]      # an outlier: (100 - 25) / 43.3 = 1.73, clip 1.6 applies
+    r = torch.tensor(rows)
+    adv, valid, std = reward.group_advantages(r, clip=1.6)
+    assert torch.allclose(adv, torch.tensor(slow_advantages(rows, 1.6)), atol=1e-6)
+    assert torch.isfinite(adv).all() and adv[1, 1] == 0 and abs(adv[5, 3] - 1.6) < 1e-6
+    assert torch.equal(valid, ~torch.isnan(r))
+    assert abs(std[1, 0].item() - math.sqrt(((0.3 - 13 / 30) ** 2 + (0.9 - 13 / 30) ** 2 + (0.1 - 13 / 30) ** 2) / 3)) < 1e-6
+    assert adv[0].sum().abs() < 1e-6 and abs(adv[0].pow(2).mean().item() - 1) < 1e-5  # zero mean, unit variance
+
+
 # ---- preprocessing ------------------------------------------------------------------------------
 
 

@@ -5,7 +5,8 @@ train.py and sample.py end to end, as a user runs them (subprocesses):
 - resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process;
 - the real HunyuanVideo 1.5 path with tiny random diffusers parts and the tiny VideoAlign of the
   reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks;
-- bad settings fail with a clear message and touch nothing already written;
+- bad settings fail with a clear message and touch nothing already written; a NaN reward drops its
+  clip, and an all-NaN iteration stops the run before the update;
 - sample.py writes mp4 files that read back with the right shape, and the contact sheet.
 """
 import json
@@ -24,8 +25,8 @@ SMALL = ['train.py', 'config/toy.py', '--prompts_per_iter=2', '--group_size=2', 
          '--train_batch=2', '--eval_every=0', '--eval_samples=1', '--eval_videos=1', '--save_every=2', '--diag_every=1']
 
 
-def run(args, torchrun=False, check=True, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
+def run(args, torchrun=False, check=True, timeout=300, env=None):
+    env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false', **(env or {}))
     launcher = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] \
         if torchrun else [sys.executable]
     p = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -138,3 +139,35 @@ def test_lora_trains_only_adapters(tmp_path):
     w = weights(out)  # the checkpoint holds the adapters and nothing else
     assert w and all('lora' in k for k in w), list(w)[:5]
     assert any(v.abs().sum() > 0 for k, v in w.items() if 'lora_B' in k)  # B started at 0 and moved
+
+
+# train.py with the toy reward wrapped: the second video of every reward call is unscored (NaN), or
+# every video is when ALL_NAN is set -- the way VideoAlign reports a video it failed on
+NAN_RUNNER = '''
+import os, runpy, sys, torch, toy
+score = toy.reward
+def unscored(frames, prompts, fps=toy.FPS):
+    sc = score(frames, prompts, fps)
+    for v in sc.values():
+        v[slice(None) if os.environ.get('ALL_NAN') else slice(1, 2)] = float('nan')
+    return sc
+toy.reward = unscored
+sys.argv = sys.argv[1:]
+runpy.run_path('train.py', run_name='__main__')
+'''
+
+
+def test_nan_rewards_are_dropped_reported_and_never_corrupt(tmp_path):
+    out = str(tmp_path / 'nan')
+    p = run(['-c', NAN_RUNNER] + SMALL + [f'--out_dir={out}', '--max_iters=2', '--group_size=3'])
+    assert 'rewards are NaN' in p.stdout
+    rows = check_run(out, 2)  # finite losses, rewards, eval composite and weights
+    assert all(r['nan_rewards'] == 1 for r in rows)  # clip 1 of 6: its group of 3 goes on with 2
+    # a reward model that fails on everything stops the run before the update; what was written stays
+    files = {f: open(os.path.join(out, f), 'rb').read() for f in ('latest', 'metrics.jsonl')}
+    w = weights(out)
+    p = run(['-c', NAN_RUNNER] + SMALL + [f'--out_dir={out}', '--max_iters=4', '--group_size=3', '--init_from=resume'], check=False,
+            env={'ALL_NAN': '1'})
+    assert p.returncode != 0 and 'every reward is NaN' in p.stdout + p.stderr, p.stderr[-2000:]
+    assert files == {f: open(os.path.join(out, f), 'rb').read() for f in files}
+    assert all(torch.equal(w[k], v) for k, v in weights(out).items())
