@@ -436,14 +436,15 @@ while iter_num < max_iters:
 
     # ---- log
     rs = torch.cat([gather(scores[k].float().to(device)) for k in ('VQ', 'MQ', 'TA')]).view(3, -1)
+    mem = gather(torch.tensor([torch.cuda.max_memory_allocated() if 'cuda' in str(device) else  # bytes, per rank
+                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], device=device)) / 2 ** 30
     row = dict(iter=iter_num, loss=mean_all(stats['loss']) * world, reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
                MQ=torch.nanmean(rs[1]).item(), TA=torch.nanmean(rs[2]).item(),
                group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
                nan_rewards=int((~valid).sum()), kl_pos=mean_all(stats['kl_pos']), kl_vel=mean_all(stats['kl_vel']),
                lambda_kl=controller.value, clipfrac=mean_all(stats['clipfrac']), grad_norm=stats['grad_norm'],
                **diag, t_rollout=t1 - t0, t_reward=t2 - t1, t_update=t3 - t2,
-               peak_mem_gb=(torch.cuda.max_memory_allocated() if 'cuda' in str(device) else
-                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30)
+               peak_mem_gb=mem.max().item(), peak_mem_gb_ranks=mem.tolist())  # the worst rank, and each
     if master:
         print(f"iter {iter_num}: reward {row['reward']:.4f} (VQ {row['VQ']:.3f} MQ {row['MQ']:.3f} "
               f"TA {row['TA']:.3f}) std {row['group_std']:.3f} kl {row['kl_pos']:.2e}/{row['kl_vel']:.2e} "
