@@ -42,7 +42,7 @@ import toy
 from configurator import configure
 
 # ----------------------------------------------------------------------------- settings
-out = 'results'                 # output folder: bench.json, README.md, *.png, cells/, runs/
+out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
 quick = False                   # a reduced version of everything (<= 3 min on 2 cores)
 sections = '1,2,3,4,5'          # which sections to run
 ablations = 'a,b,c,d,e'         # which parts of section 3 to run
