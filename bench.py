@@ -498,7 +498,7 @@ def section3():
                 t = torch.tensor([c[:n] for c in cs])
                 m, sd = t.mean(0), (t.std(0) if len(cs) > 1 else torch.zeros(n))
                 x = range(1, n + 1)
-                ax.plot(x, m, label=label)
+                ax.plot(x, m, label=label, ls='--' if 'kl_max' in label and part != 'd' else '-')  # identical runs overlap
                 ax.fill_between(x, m - sd, m + sd, alpha=0.2)
             ax.set(xlabel='iteration', ylabel='mean rollout reward', title=title)
             ax.legend(fontsize=7)
