@@ -5,7 +5,7 @@ Writes results/bench.json, results/README.md (the tables) and results/*.png (if 
 installed); every finished cell is cached as results/cells/<name>.json and skipped on a rerun
 (a cell whose toy base model has changed since is rerun).
 
-    python bench.py                          # everything; section 3 trains 3 seeds x 26 configs (~2 h)
+    python bench.py                          # everything; section 3 trains 3 seeds x 30 configs (~2.5 h)
     python bench.py --quick                  # a reduced version, <= 3 min on 2 cores (tests/test_bench.py)
     python bench.py --sections=1,2,5         # some sections only
     python bench.py --ablations=a,b --seeds=5   # section 3, part of it, more seeds
@@ -431,7 +431,9 @@ def ablation_cells():
     parts = {  # b and c at the released kl_max, where the KL barely acts, and again at acting_kl_max
         'a': [(f'{k} eq={"on" if e else "off"}', dict(sage, sampler=k, equalizer=e)) for k in KINDS for e in (True, False)],
         'b': [(f'kl={s}{tag(m)}', dict(sage, kl_strategy=s, **at(m))) for m in (1e-5, acting_kl_max)
-              for s in ('none', 'fixed', 'stepwise', 'moving', 'dual') if s != 'none' or m == 1e-5],
+              for s in ('none', 'fixed', 'stepwise', 'moving', 'dual') if s != 'none' or m == 1e-5] +
+             [(f'kl={s}{tag(acting_kl_max)}, 2 updates', dict(sage, kl_strategy=s, **at(acting_kl_max), updates_per_iter=2))
+              for s in ('none', 'stepwise', 'moving', 'dual')],  # two optimizer steps: the velocity KL acts
         'c': [(f'anchor_every={n}{tag(m)}', dict(sage, **at(m), **({} if n == 10 else dict(anchor_every=n))))
               for m in (1e-5, acting_kl_max) for n in (1, 5, 10, 50)],
         'd': [(f'kl_max={v:g}', dict(sage, **({} if v == 1e-5 else dict(kl_max=v)))) for v in (1e-5, 1e-3, 1e-1, 1.0)],
