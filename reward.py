@@ -236,15 +236,14 @@ def combine(scores, weights=SETTING_B):
 def group_advantages(r, clip=5.0, eps=1e-6):
     """GRPO advantages (P, G) of rewards r (P, G), one group per row: (r - mean) / std over the group's
     finite members, clipped to [-clip, clip]. A NaN reward (a video the reward model could not score)
-    leaves its group and gets advantage 0; so does every member of a group with fewer than 2 finite
-    rewards or with equal rewards (std <= eps: nothing to learn). Returns (adv, valid, std (P, 1))."""
+    leaves its group and gets advantage 0; so does every member of a group whose std is <= eps (equal
+    rewards, or fewer than 2 finite ones: nothing to learn). Returns (adv, valid, std (P, 1))."""
     valid = ~torch.isnan(r)
     n = valid.sum(1, keepdim=True).clamp(min=1)
     mean = torch.where(valid, r, 0.0).sum(1, keepdim=True) / n
     std = (torch.where(valid, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / n).sqrt()  # population std
     adv = ((r - mean) / std.clamp(min=eps)).clamp(-clip, clip)
-    keep = valid & (valid.sum(1, keepdim=True) >= 2) & (std > eps)
-    return torch.where(keep, adv, 0.0), valid, std
+    return torch.where(valid & (std > eps), adv, 0.0), valid, std
 
 
 def _need(path, how):  # path, or a FileNotFoundError naming it and how to obtain it

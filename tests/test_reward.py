@@ -225,7 +225,6 @@ def test_combine_settings():
     assert torch.equal(reward.combine(s, reward.SETTING_B), reward.combine(s))
 
 
-
 def slow_advantages(rows, clip):
     """Per-group reference in plain Python: statistics.pstdev over the finite rewards of each group."""
     import statistics
