@@ -45,7 +45,7 @@ from configurator import configure
 out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
 quick = False                   # a reduced version of everything (<= 3 min on 2 cores)
 sections = '1,2,3,4,5'          # which sections to run
-ablations = 'a,b,c,d,e'         # which parts of section 3 to run
+ablations = 'a,b,c,d,e'         # which parts of section 3 to run (the tables show every part already cached)
 threads = 1                     # torch CPU threads, here and in every train.py started (2 threads on a
                                 # shared 2-core machine run ~10x slower: OpenMP spin-waits)
 eta = 0.5                       # the SPEC default exploration scale
@@ -95,14 +95,23 @@ def model_hash():
 MODEL_HASH = model_hash()
 
 
-def cell(name, fn):
-    """Run fn() once: its dict is cached in out/cells/name.json (with the base model's hash)."""
+def cached(name):
+    """The dict of a finished cell of this base model, or None."""
     path = os.path.join(out, 'cells', name + '.json')
     if os.path.exists(path):
         with open(path) as f:
             res = json.load(f)
         if res.get('model_hash') == MODEL_HASH:
             return res
+    return None
+
+
+def cell(name, fn):
+    """Run fn() once: its dict is cached in out/cells/name.json (with the base model's hash)."""
+    res = cached(name)
+    if res is not None:
+        return res
+    path = os.path.join(out, 'cells', name + '.json')
     t0 = time.time()
     res = fn()
     if res is None:  # not run (time budget): nothing cached
@@ -436,12 +445,12 @@ def ablation_cells():
               for s in ('none', 'stepwise', 'moving', 'dual')],  # two optimizer steps: the velocity KL acts
         'c': [(f'anchor_every={n}{tag(m)}', dict(sage, **at(m), **({} if n == 10 else dict(anchor_every=n))))
               for m in (1e-5, acting_kl_max) for n in (1, 5, 10, 50)],
-        'd': [(f'kl_max={v:g}', dict(sage, **({} if v == 1e-5 else dict(kl_max=v)))) for v in (1e-5, 1e-3, 1e-1, 1.0)],
+        'd': [(f'kl_max={v:g}', dict(sage, **at(v))) for v in (1e-5, 1e-3, 1e-1, 1.0)],
         'e': [('flow G=8', dict(sage, sampler='flow', group_size=8)), ('sage G=4', dict(sage))],
     }
     if quick:  # two cells: enough to exercise the subprocess path, the tables and the curves
         parts = {'a': parts['a'][0:1] + parts['a'][2:3]}
-    return {k: v for k, v in parts.items() if k in ablations.split(',')}
+    return parts
 
 
 def cell_name(ov, s):
@@ -450,10 +459,11 @@ def cell_name(ov, s):
 
 
 def section3():
-    parts = ablation_cells()
+    parts = ablation_cells()  # all are tabled from their cached cells; those in `ablations` are run first
     common = dict(max_iters=train_iters, prompts_per_iter=train_prompts_per_iter, eval_every=0, save_every=0,
                   eval_videos=0)
-    todo = [(s, ov) for s in range(seeds) for part in parts.values() for _, ov in part]  # seed-major
+    todo = [(s, ov) for s in range(seeds) for k, part in parts.items() if k in ablations.split(',')
+            for _, ov in part]  # seed-major
     done = {}
     for s, ov in todo:  # a run shared by several parts (e.g. sage + dual) runs once
         name = cell_name(ov, s)
@@ -471,7 +481,7 @@ def section3():
     for part, cells in parts.items():
         rows, curves = [], {}
         for label, ov in cells:
-            runs = [done.get(cell_name(ov, s)) for s in range(seeds)]
+            runs = [done.get(cell_name(ov, s)) or cached('s3_' + cell_name(ov, s)) for s in range(seeds)]
             runs = [r for r in runs if r]
             if not runs:
                 rows.append([label, 'not run'] + [''] * 8)
@@ -680,8 +690,16 @@ head = ['# Benchmarks', '',
         f'Written by `python bench.py{" --quick" if quick else ""}` ({time.strftime("%Y-%m-%d %H:%M")}, toy base model '
         f'{MODEL_HASH}, torch {torch.__version__}, {threads} CPU threads). Raw numbers: bench.json; '
         'cached cells: cells/; plots: *.png.', '']
+prev = {}
+if os.path.exists(os.path.join(out, 'bench.json')):
+    with open(os.path.join(out, 'bench.json')) as f:
+        prev = json.load(f)
+if prev.get('model_hash') == MODEL_HASH and prev.get('config', {}).get('quick') == quick:
+    for k, lines in prev.get('markdown', {}).items():  # --sections=...: the others stay as last written
+        if k not in by_num:
+            by_num[k], R[k] = lines, prev.get(k)
 with open(os.path.join(out, 'README.md'), 'w') as f:
     f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
 with open(os.path.join(out, 'bench.json'), 'w') as f:
-    json.dump(dict(config=config, model_hash=MODEL_HASH, **R), f, indent=1)
+    json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
 print(f'bench done in {time.time() - T_START:.0f}s: {out}/README.md', flush=True)
