@@ -8,7 +8,7 @@ SDE, a temporal gradient equalizer) and a dual trust region (moving anchor + pre
     python train.py config/toy.py --sampler=flow --kl_strategy=none   # a baseline: one constant
 
 Settings are the constants below (the paper's released defaults, shared/SPEC.md section 4);
-config files and --key=value override them (configurator.py). The loss reads like SPEC section 4.
+config files and --key=value override them (configurator.py). The loss is loss.py, SPEC section 4.
 
 Where this code knowingly differs from the paper or its released code:
 - lambda_KL is updated once per optimizer step (the paper's count), not per sample x timestep.
@@ -32,10 +32,11 @@ from tqdm import tqdm
 import sde
 from configurator import configure
 from equalizer import scales
+from loss import denominator, grpo_loss
 from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4, velocity
 from reward import combine, group_advantages
-from trust_region import Anchor, KLController, gaussian_kl
+from trust_region import Anchor, KLController
 
 # ----------------------------------------------------------------------------- settings
 # I/O
@@ -291,11 +292,12 @@ def save_checkpoint():
         shutil.rmtree(os.path.join(out_dir, d))
 
 
-def step_losses(b, t, clips):
-    """Policy loss and KL terms of local clips b (list) at their trained steps t (n,), SPEC 4."""
+def step_loss(b, t, clips, denom=1.0):
+    """The loss of local clips b (list) at their trained steps t (n,) and its terms: loss.py, SPEC 4."""
     x, prev = clips['xs'][b, t], clips['xs'][b, t + 1]           # (n, C, F, h, w)
     s, s_next = sigmas[t], sigmas[t + 1]                          # (n,)
     text, text_neg = text_for([clips['prompts'][i] for i in b])
+    mean_anchor = None
     if use_pos:  # the anchor's forward comes first and without grad: its in-place weight swap
         with torch.no_grad(), anchor.applied(policy):  # must not happen between a forward and its backward
             v_anchor = velocity(policy, x, s, text, cfg, text_neg)
@@ -304,12 +306,9 @@ def step_losses(b, t, clips):
     # gradient of its log-prob flows through the conditional and the unconditional forward alike
     v = velocity(policy, x, s, text, cfg, text_neg)
     new = sde.step(x, v, s, s_next, sampler, eta, prev=prev)
-    A = clips['adv'][b]                                            # (n,)
-    ratio = torch.exp(new.logp - clips['logps'][b, t])
-    policy_loss = S[t] * torch.maximum(-A * ratio, -A * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))
-    kl_pos = gaussian_kl(new.mean, mean_anchor, new.std) if use_pos else torch.zeros_like(A)
-    kl_vel = gaussian_kl(new.mean, clips['means'][b, t], new.std) if use_vel else torch.zeros_like(A)
-    return policy_loss, kl_pos, kl_vel, ratio
+    return grpo_loss(new.logp, clips['logps'][b, t], clips['adv'][b], new.mean, mean_anchor,
+                     clips['means'][b, t] if use_vel else None, new.std, scale=S[t], lam=controller.value,
+                     beta_pos=w_pos, beta_vel=w_vel, clip_range=clip_range, valid=clips['valid'][b], denom=denom)
 
 
 def grad_norm():
@@ -379,26 +378,25 @@ while iter_num < max_iters:
         print(f'warning: iteration {iter_num + 1}: {int((~valid).sum())} of {valid.numel()} rewards are NaN; '
               'those clips are left out of their groups and of the loss')
     clips['adv'] = adv.flatten()[rank * n_local:(rank + 1) * n_local]
-    weight_local = valid.flatten()[rank * n_local:(rank + 1) * n_local].float()
+    clips['valid'] = valid.flatten()[rank * n_local:(rank + 1) * n_local].float()
 
     # ---- diagnostics: gradient norm of one clip's policy loss at the first and last trained step
     diag = {}
     if diag_every and iter_num % diag_every == 0:
         b = [0]
         for name, t in (('first', trained_steps[0]), ('last', trained_steps[-1])):
-            pl, kp, kv, _ = step_losses(b, torch.tensor([t]), clips)
-            diag[f'gnorm_{name}'] = grad_norm_of(pl.sum() / S[t])      # without the equalizer
+            _, terms = step_loss(b, torch.tensor([t]), clips)
+            diag[f'gnorm_{name}'] = grad_norm_of(terms.policy.sum() / S[t])  # without the equalizer
             diag[f'gnorm_{name}_eq'] = diag[f'gnorm_{name}'] * S[t].item()  # with it (S_t is a constant)
         if kl_strategy != 'none':
             t = trained_steps[len(trained_steps) // 2]
-            pl, kp, kv, _ = step_losses(b, torch.tensor([t]), clips)
-            g_pg = grad_norm_of(pl.sum())
-            pl, kp, kv, _ = step_losses(b, torch.tensor([t]), clips)
-            g_kl = grad_norm_of(controller.value * (w_pos * kp + w_vel * kv).sum())
+            _, terms = step_loss(b, torch.tensor([t]), clips)
+            g_pg = grad_norm_of(terms.policy.sum())
+            _, terms = step_loss(b, torch.tensor([t]), clips)
+            g_kl = grad_norm_of(controller.value * (w_pos * terms.kl_pos + w_vel * terms.kl_vel).sum())
             diag['kl_grad_ratio'] = g_kl / max(g_pg, 1e-30)
 
     # ---- update: every trained step of every clip, in a random order per clip
-    n_valid_all = max(1.0, float(valid.sum()))
     order = torch.stack([torch.tensor(trained_steps)[torch.randperm(len(trained_steps), generator=torch.Generator()
                          .manual_seed(mix(seed, 'order', iter_num, i)))[:n_train]] for i in gids])  # (n, n_train)
     stats = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0)
@@ -407,21 +405,19 @@ while iter_num < max_iters:
     for chunk in chunks:
         optimizer.zero_grad(set_to_none=True)
         mbs = [chunk[i:i + train_batch] for i in range(0, len(chunk), train_batch)]
-        denom = n_valid_all * n_train / world / len(chunks)  # FSDP averages gradients over ranks
+        denom = denominator(valid.sum().item(), n_train, world, len(chunks))  # FSDP averages over ranks
         kl_chunk = []
         for b in mbs:
             for k in range(n_train):
                 # FSDP reduce-scatters after every backward, so gradients stay sharded (accumulating
                 # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
-                pl, kp, kv, ratio = step_losses(b, order[b, k], clips)
-                kl = w_pos * kp + w_vel * kv                      # (n,)
-                loss = ((pl + controller.value * kl) * weight_local[b]).sum() / denom
+                loss, terms = step_loss(b, order[b, k], clips, denom)
                 loss.backward()
                 stats['loss'] += loss.item()
-                stats['kl_pos'] += kp.sum().item() / (n_local * n_train)
-                stats['kl_vel'] += kv.sum().item() / (n_local * n_train)
-                stats['clipfrac'] += ((ratio - 1).abs() > clip_range).float().sum().item() / (n_local * n_train)
-                kl_chunk.append(kl.mean().item())
+                stats['kl_pos'] += terms.kl_pos.sum().item() / (n_local * n_train)
+                stats['kl_vel'] += terms.kl_vel.sum().item() / (n_local * n_train)
+                stats['clipfrac'] += ((terms.ratio - 1).abs() > clip_range).float().sum().item() / (n_local * n_train)
+                kl_chunk.append((w_pos * terms.kl_pos + w_vel * terms.kl_vel).mean().item())
                 bar.update(len(b))
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         stats['grad_norm'] += float(gn.full_tensor() if isinstance(gn, DTensor) else gn) / len(chunks)
