@@ -1,0 +1,167 @@
+"""
+loss.grpo_loss against a plain-Python reference of SPEC section 4, written here number by number:
+- the sign: one SGD step on the loss raises logp where A > 0 and lowers it where A < 0;
+- the clip: the pessimistic max takes the unclipped term (gradient -A r) where it must and the
+  clipped one (gradient 0) where it must, for both signs of A and a ratio on both sides of the band;
+- S_t scales the policy term only; each KL term is measured against its own mean (position vs the
+  anchor's, velocity vs the rollout's), and equals torch.distributions' KL;
+- a NaN-reward clip (valid 0) gets no gradient at all, policy or KL;
+- denominator(): summed over micro-batches, trained steps and ranks (averaged by FSDP), the gradient
+  is the mean over valid clips x trained steps.
+"""
+import math
+
+import torch
+
+from loss import denominator, grpo_loss
+
+EPS = 1e-4  # clip range
+
+
+def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=None, scale=1.0, lam=0.0,
+         beta_pos=1.0, beta_vel=0.1, valid=None, denom=1.0):
+    n = logp.shape[0]
+    mean = torch.zeros(n, 3) if mean is None else mean
+    std = torch.ones(n) if std is None else std
+    valid = torch.ones(n) if valid is None else valid
+    return grpo_loss(logp, logp_old, adv, mean, mean_anchor, mean_old, std, scale=scale, lam=lam, beta_pos=beta_pos,
+                     beta_vel=beta_vel, clip_range=EPS, valid=valid, denom=denom)
+
+
+def ref_policy(r, A, S):
+    """(value, d value / d logp) of S * max(-A r, -A clip(r)), by cases, r = exp(logp - logp_old)."""
+    lo, hi = 1 - EPS, 1 + EPS
+    unclipped, clipped = -A * r, -A * min(max(r, lo), hi)
+    value = S * max(unclipped, clipped)
+    if unclipped > clipped:  # the pessimistic bound is the unclipped term: its gradient flows
+        grad = -A * r * S
+    elif unclipped < clipped:  # the clipped term, outside the band: a constant, no gradient
+        grad = 0.0
+    else:  # equal: r inside the band, both terms are -A r
+        grad = -A * r * S
+    return value, grad
+
+
+def test_sgd_step_raises_logp_for_positive_advantage():
+    adv = torch.tensor([1.5, -0.7, 0.0, 2.0])
+    logp = torch.tensor([-1.0, -2.0, -0.5, 0.3], requires_grad=True)
+    loss, terms = call(logp, logp.detach().clone(), adv, scale=torch.tensor([1.0, 2.0, 1.0, 0.5]))
+    assert torch.equal(terms.ratio, torch.ones(4))  # theta == theta_old: ratio 1
+    loss.backward()
+    new = logp.detach() - 0.1 * logp.grad  # one SGD step on the loss
+    assert new[0] > logp[0] and new[3] > logp[3]  # A > 0: the rollout becomes more likely
+    assert new[1] < logp[1]  # A < 0: less likely
+    assert new[2] == logp[2]  # A = 0: untouched
+    # and the size: -A S per clip at ratio 1
+    assert torch.allclose(logp.grad, torch.tensor([-1.5, 1.4, 0.0, -1.0]))
+
+
+def test_clip_is_pessimistic_for_both_signs_of_the_advantage():
+    cases = [(A, r) for A in (1.3, -0.8) for r in (1 - 5 * EPS, 1 - EPS / 3, 1.0, 1 + EPS / 2, 1 + 7 * EPS, 1.3, 0.6)]
+    A = torch.tensor([a for a, _ in cases], dtype=torch.float64)
+    r = torch.tensor([x for _, x in cases], dtype=torch.float64)
+    logp_old = torch.full_like(r, -0.25)
+    logp = (logp_old + r.log()).requires_grad_()
+    S = 1.7
+    loss, terms = call(logp, logp_old, A, scale=S)
+    loss.backward()
+    for i, (a, x) in enumerate(cases):
+        value, grad = ref_policy(x, a, S)
+        assert math.isclose(terms.policy[i].item(), value, rel_tol=1e-9), (a, x)
+        assert math.isclose(logp.grad[i].item(), grad, rel_tol=1e-9, abs_tol=1e-12), (a, x, logp.grad[i].item(), grad)
+    # the four outside-band cases: unclipped where (A > 0, r low) and (A < 0, r high), clipped otherwise
+    grads = dict(zip(cases, logp.grad.tolist()))
+    assert grads[(1.3, 1 - 5 * EPS)] != 0 and grads[(-0.8, 1 + 7 * EPS)] != 0
+    assert grads[(1.3, 1 + 7 * EPS)] == 0 and grads[(-0.8, 1 - 5 * EPS)] == 0
+
+
+def test_kl_terms_measure_against_their_own_means_and_equal_torch_distributions():
+    g = torch.Generator().manual_seed(0)
+    n, d = 3, 5
+    mean = torch.randn(n, d, generator=g, dtype=torch.float64).requires_grad_()
+    mean_anchor = mean.detach() + 0.3 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    mean_old = mean.detach() + 0.05 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    std = torch.tensor([0.5, 0.2, 0.9], dtype=torch.float64)
+    lam, bp, bv, denom = 0.01, 1.0, 0.1, 4.0
+    logp = torch.zeros(n, dtype=torch.float64)
+    loss, terms = call(logp, logp, torch.zeros(n, dtype=torch.float64), mean, mean_anchor, mean_old, std,
+                       scale=3.0, lam=lam, beta_pos=bp, beta_vel=bv, denom=denom)
+    N = torch.distributions.Normal
+    for i in range(n):
+        kl_a = torch.distributions.kl_divergence(N(mean[i].detach(), std[i]), N(mean_anchor[i], std[i])).mean().item()
+        kl_o = torch.distributions.kl_divergence(N(mean[i].detach(), std[i]), N(mean_old[i], std[i])).mean().item()
+        assert math.isclose(terms.kl_pos[i].item(), kl_a, rel_tol=1e-6)  # gaussian_kl works in float32
+        assert math.isclose(terms.kl_vel[i].item(), kl_o, rel_tol=1e-6)
+    assert math.isclose(loss.item(), lam * (bp * terms.kl_pos + bv * terms.kl_vel).sum().item() / denom, rel_tol=1e-6)
+    # gradient w.r.t. the mean: lam (bp (m - m_a) + bv (m - m_o)) / (std^2 d) / denom, whatever S_t is
+    loss.backward()
+    for i in range(n):
+        for j in range(d):
+            m, ma, mo = mean[i, j].item(), mean_anchor[i, j].item(), mean_old[i, j].item()
+            ref = lam * (bp * (m - ma) + bv * (m - mo)) / (std[i].item() ** 2 * d) / denom
+            assert math.isclose(mean.grad[i, j].item(), ref, rel_tol=1e-5, abs_tol=1e-12)
+    # each term off alone
+    _, t = call(logp, logp, torch.zeros(n, dtype=torch.float64), mean, None, mean_old, std)
+    assert torch.equal(t.kl_pos, torch.zeros(n, dtype=torch.float64)) and torch.equal(t.kl_vel, terms.kl_vel)
+    _, t = call(logp, logp, torch.zeros(n, dtype=torch.float64), mean, mean_anchor, None, std)
+    assert torch.equal(t.kl_vel, torch.zeros(n, dtype=torch.float64)) and torch.equal(t.kl_pos, terms.kl_pos)
+
+
+def test_equalizer_scales_the_policy_term_only():
+    g = torch.Generator().manual_seed(1)
+    mean0 = torch.randn(2, 4, generator=g)
+    grads = []
+    for S in (1.0, 8.0):
+        logp = torch.tensor([-0.3, -0.4], requires_grad=True)
+        mean = mean0.clone().requires_grad_()
+        loss, _ = call(logp, logp.detach(), torch.tensor([1.0, -1.0]), mean, mean0 + 0.1, mean0 - 0.2,
+                       scale=torch.tensor([S, S]), lam=0.5)
+        loss.backward()
+        grads.append((logp.grad.clone(), mean.grad.clone()))
+    assert torch.allclose(grads[1][0], 8.0 * grads[0][0])  # the policy gradient scales with S_t
+    assert torch.equal(grads[1][1], grads[0][1])  # the KL gradient does not
+
+
+def test_nan_reward_clip_gets_no_gradient_at_all():
+    logp = torch.tensor([-0.3, -0.4, -0.5], requires_grad=True)
+    mean = torch.randn(3, 4, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    valid = torch.tensor([1.0, 0.0, 1.0])  # clip 1: its reward was NaN (advantage 0, left out)
+    loss, _ = call(logp, logp.detach() + 0.01, torch.tensor([0.8, 0.0, -0.8]), mean, mean.detach() + 0.3,
+                   mean.detach() - 0.3, scale=2.0, lam=0.5, valid=valid)
+    loss.backward()
+    assert logp.grad[1] == 0 and torch.equal(mean.grad[1], torch.zeros(4))  # KL included
+    assert logp.grad[0] != 0 and mean.grad[0].abs().sum() > 0 and mean.grad[2].abs().sum() > 0
+    # a non-finite term of a dropped clip does not poison the loss
+    bad = mean.detach().clone()
+    bad[1] = float('nan')
+    loss, _ = call(logp, logp.detach(), torch.tensor([0.8, 0.0, -0.8]), mean, bad, None, lam=0.5, valid=valid)
+    assert torch.isfinite(loss)
+
+
+def test_normalisation_over_valid_clips_trained_steps_and_ranks():
+    """Clips spread over 2 ranks, T trained steps each, micro-batches of 2: the per-rank sums of
+    loss / denominator, averaged over ranks as FSDP does, give the gradient of the mean over valid
+    (clip, step) pairs, computed here by hand."""
+    g = torch.Generator().manual_seed(3)
+    world, n, T = 2, 6, 3
+    A = torch.randn(n, generator=g, dtype=torch.float64)
+    valid = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.float64)
+    S = torch.rand(T, generator=g, dtype=torch.float64) + 0.5
+    c = torch.randn(n, T, generator=g, dtype=torch.float64)  # logp_{i,t} = theta * c_{i,t}
+    # reference: d/dtheta of mean over valid (i, t) of S_t * (-A_i) * exp(theta c - theta c) at theta = 0
+    pairs = [(i, t) for i in range(n) for t in range(T) if valid[i] > 0]
+    ref = sum(-A[i].item() * S[t].item() * c[i, t].item() for i, t in pairs) / len(pairs)
+    denom = denominator(valid.sum().item(), T, world)
+    per_rank = []
+    for rank in range(world):
+        theta = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        mine = list(range(rank * n // world, (rank + 1) * n // world))
+        for b in (mine[:2], mine[2:]):  # micro-batches
+            for t in range(T):
+                logp = theta * c[b, t]
+                loss, _ = call(logp, logp.detach(), A[b], mean=torch.zeros(len(b), 2, dtype=torch.float64),
+                               std=torch.ones(len(b), dtype=torch.float64), scale=S[t], valid=valid[b], denom=denom)
+                loss.backward()
+        per_rank.append(theta.grad.item())
+    assert math.isclose(sum(per_rank) / world, ref, rel_tol=1e-12)
+    assert denominator(0, T, world) == T / world  # no valid clip: no division by zero (the loss is 0)
