@@ -321,3 +321,114 @@ def test_bf16_vision_rope_matches_transformers_445(tiny, scorer):
     # the bf16 model scores like the fp32 one, up to bf16 rounding
     frames = clips(2, seed=6)
     assert close(model(frames, PROMPTS[:2], FPS), scorer(frames, PROMPTS[:2], FPS), atol=0.05)
+
+
+# ---- against independent references: transformers, qwen-vl-utils' rule, the released file ------
+
+
+def test_clip_mean_std_are_transformers_constants():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.utils.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    # exact: the processor normalises with these floats, a changed digit is a different model input
+    assert list(reward.CLIP_MEAN) == list(OPENAI_CLIP_MEAN) and list(reward.CLIP_STD) == list(OPENAI_CLIP_STD)
+    assert list(reward.CLIP_MEAN) == list(Qwen2VLImageProcessorPil.image_mean)  # Qwen2-VL's own defaults
+    assert list(reward.CLIP_STD) == list(Qwen2VLImageProcessorPil.image_std)
+
+
+def _hf_smart_resize():
+    # transformers' Qwen2-VL smart_resize; its torchvision module needs torchvision (not a dependency
+    # here), the PIL processor's copy is the same function ("Copied from", kept equal by transformers' CI)
+    try:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    return smart_resize
+
+
+SIDES = sorted({*range(15, 3000, 37), 352, 480, 544, 624, 720, 848, 960, 1080, 1280, 1920})  # pixels
+
+
+def test_smart_resize_matches_transformers_over_a_grid():
+    hf = _hf_smart_resize()
+    # (min, max) pixels: the reward's video bounds, and transformers' image defaults (sides >= 28:
+    # below, transformers' first rounding can give 0 where qwen-vl-utils' and reward's clamp to 28)
+    bounds = [(reward.MIN_PIXELS, reward.MAX_PIXELS, 15), (56 * 56, 28 * 28 * 1280, 28)]
+    over_cap_round_differs = 0  # over-cap cases where round() instead of floor() gives another size
+    for lo, hi, smallest in bounds:
+        for h in SIDES:
+            for w in SIDES:
+                if min(h, w) < smallest or max(h, w) / min(h, w) > reward.MAX_RATIO:
+                    continue
+                assert reward.smart_resize(h, w, 28, lo, hi) == hf(h, w, 28, lo, hi), (h, w, lo, hi)
+                if round(h / 28) * round(w / 28) * 28 * 28 > hi:
+                    beta = math.sqrt(h * w / hi)
+                    over_cap_round_differs += any(round(s / beta / 28) != math.floor(s / beta / 28) for s in (h, w))
+    assert over_cap_round_differs > 1000  # the grid can tell floor from round above the pixel cap
+    for h, w in [(2, 1000), (1000, 3)]:  # aspect ratio > 200: both refuse
+        with pytest.raises(ValueError):
+            hf(h, w, 28, reward.MIN_PIXELS, reward.MAX_PIXELS)
+        with pytest.raises(ValueError):
+            reward.smart_resize(h, w)
+
+
+def qwen_frame_indices(total_frames, video_fps):
+    """Independent rewrite of the frame rule of qwen-vl-utils as VideoAlign's vision_process.py has it:
+    smart_nframes with fps sampling (FPS 2, FPS_MIN_FRAMES 4, FPS_MAX_FRAMES 768, FRAME_FACTOR 2, the
+    count rounded to the factor; qwen-vl-utils 0.0.14 floors it instead), then torchvision's uniform
+    indices linspace(0, total - 1, n) rounded to the nearest frame (half to even, as torch rounds)."""
+    factor = 2
+    lo = math.ceil(4 / factor) * factor  # ceil_by_factor(FPS_MIN_FRAMES)
+    hi = math.floor(min(768, total_frames) / factor) * factor  # floor_by_factor(min(FPS_MAX_FRAMES, total))
+    n = min(max(total_frames / video_fps * 2.0, lo), hi)
+    n = round(n / factor) * factor  # round_by_factor: Python's round, half to even
+    if not factor <= n <= total_frames:
+        raise ValueError(n)
+    return torch.linspace(0, total_frames - 1, n).round().long().tolist()
+
+
+FRAME_COUNTS = [2, 3, 4, 5, 8, 16, 17, 33, 45, 49, 55, 61, 81, 97, 121, 129, 241, 500, 1000, 2000, 5000]
+VIDEO_FPS = [0.5, 1, 2, 7.5, 8, 10, 12, 15, 16, 18, 23.976, 24, 25, 29.97, 30, 50, 60, 120]
+
+
+def test_sample_indices_match_qwen_vl_utils_rule():
+    truncation_differs = 0  # pairs where .long() without .round() would pick other frames
+    for total in FRAME_COUNTS:
+        for fps in VIDEO_FPS:
+            want = qwen_frame_indices(total, fps)
+            got = reward.sample_indices(total, fps)
+            assert got.dtype == torch.long and got.tolist() == want, (total, fps)
+            truncation_differs += torch.linspace(0, total - 1, len(want)).long().tolist() != want
+    assert truncation_differs > 100
+    # half-way frame counts: 81 frames at 18 fps -> 9 -> round(4.5) = 4 -> 8 frames (half to even), 55 at 10 -> 12
+    assert len(reward.sample_indices(81, 18)) == 8 and len(reward.sample_indices(55, 10)) == 12
+    with pytest.raises(ValueError):  # one frame: the rule has nothing to sample
+        qwen_frame_indices(1, 24)
+    with pytest.raises(ValueError):
+        reward.sample_indices(1, 24)
+
+
+def test_norm_is_the_released_inference_config():
+    # inference_config of KwaiVGI/VideoReward's model_config.json, typed here from the released file
+    released = {"VQ_mean": 3.6757, "VQ_std": 2.2476, "MQ_mean": 1.1646, "MQ_std": 1.3811,
+                "TA_mean": 2.8105, "TA_std": 2.5121}
+    assert reward.NORM == {k: (released[f"{k}_mean"], released[f"{k}_std"]) for k in ("VQ", "MQ", "TA")}
+    assert reward.DIMS == ("VQ", "MQ", "TA")
+
+
+def test_missing_inference_config_falls_back_to_the_released_norm(tiny, scorer, tmp_path):
+    ckpt_dir = shutil.copytree(tiny[0], tmp_path / "ckpt")
+    cfg = json.load(open(ckpt_dir / "model_config.json"))
+    assert cfg.pop("inference_config")["VQ_mean"] == 3.6757  # the fixture's explicit config
+    json.dump(cfg, open(ckpt_dir / "model_config.json", "w"))
+    fallback = reward.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
+    released = {"VQ": (3.6757, 2.2476), "MQ": (1.1646, 1.3811), "TA": (2.8105, 2.5121)}
+    assert fallback.norm == scorer.norm == released
+    frames = clips(2, seed=7)
+    assert close(fallback(frames, PROMPTS[:2], FPS), scorer(frames, PROMPTS[:2], FPS), atol=1e-6)
+    # and an explicit config is read, not ignored: another normalisation, other scores
+    cfg["inference_config"] = {f"{k}_{s}": v for k in reward.DIMS for s, v in (("mean", 0.0), ("std", 1.0))}
+    json.dump(cfg, open(ckpt_dir / "model_config.json", "w"))
+    unit = reward.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
+    raw = unit.forward([unit.prepare(frames[0], PROMPTS[0], FPS)])[0]  # (3,) un-normalised
+    assert [unit(frames[:1], PROMPTS[:1], FPS)[k].item() for k in reward.DIMS] == pytest.approx(raw.tolist(), abs=1e-5)

@@ -72,6 +72,89 @@ def test_controller_direction_in_a_loop(lam_max):
         assert flipped.value == before
 
 
+def spec_lambdas(kls, direction=+1):
+    """lambda_KL after each update, SPEC section 4 in plain Python with its literal numbers: linear
+    warm-up 1e-7 -> 1e-5 over the first 100 updates, then the mean of the last 10 observed KLs vs.
+    the target 1e-5: above 1.5x -> *0.9, below 0.5x -> *1.1 (direction +1; -1 swaps them), clipped
+    to [1e-7, 1e-5]."""
+    lam, seen, out = 1e-7, [], []
+    for k, kl in enumerate(kls, start=1):
+        seen.append(kl)
+        if k <= 100:
+            lam = 1e-7 + (1e-5 - 1e-7) * k / 100
+        else:
+            window = seen[-10:]
+            mean = sum(window) / len(window)
+            if mean > 1.5e-5:
+                lam *= 0.9 if direction > 0 else 1.1
+            elif mean < 0.5e-5:
+                lam *= 1.1 if direction > 0 else 0.9
+            lam = min(max(lam, 1e-7), 1e-5)
+        out.append(lam)
+    return out
+
+
+def run(kls, **kw):
+    c = tr.KLController(**kw)
+    return [c.update(kl) for kl in kls]
+
+
+def test_controller_ends_warmup_exactly():
+    # KL far above the deadband all along: a deadband update would shrink lambda, so update 100
+    # (the last of the warm-up) must still give exactly lam_max, and update 101 the first * 0.9
+    got = run([1e-3] * 102)
+    assert got == pytest.approx(spec_lambdas([1e-3] * 102), rel=1e-12, abs=0)
+    assert got[98] == pytest.approx(1e-7 + (1e-5 - 1e-7) * 99 / 100, rel=1e-12)  # update 99
+    assert got[99] == 1e-5  # update 100 = warmup: exactly lam_max
+    assert got[100] == pytest.approx(0.9e-5, rel=1e-12)  # update 101: the deadband rule
+    assert got[101] == pytest.approx(0.81e-5, rel=1e-12)
+    # far below: update 101 would grow lambda, clipped at lam_max, so it stays
+    assert run([0.0] * 101)[99:] == [1e-5, 1e-5]
+
+
+def edge_kls():
+    """KLs whose windows sit at the deadband's edges after the warm-up; returns (kls, checks), checks
+    = [(update index, 'same' or factor)] saying what each edge update must do to lambda."""
+    kls = [1e-5] * 100 + [1e-4] * 5  # warm-up at the target; then high: lambda 1e-5 * 0.9^5, off the bounds
+    kls += [1e-5] * 10  # the window is back at the target: unchanged at its end
+    checks = [(len(kls) - 1, 'same')]
+    kls += [5e-5]  # mean (9e-5 + 5e-5) / 10 = 1.4e-5: inside, though the last KL is 3.3x the target
+    checks.append((len(kls) - 1, 'same'))
+    kls += [0.0]  # mean (8e-5 + 5e-5) / 10 = 1.3e-5: inside, though the last KL is below 0.5x
+    checks.append((len(kls) - 1, 'same'))
+    kls += [1.58e-5] * 9 + [1e-5]  # mean 1.522e-5: just above 1.5x, though the last KL is the target
+    checks.append((len(kls) - 1, 0.9))
+    kls += [0.42e-5] * 9 + [1e-5]  # mean 0.478e-5: just below 0.5x, though the last KL is the target
+    checks.append((len(kls) - 1, 1.1))
+    kls += [1.45e-5] * 9 + [2e-5]  # mean 1.505e-5 (just above) with the last above too
+    checks.append((len(kls) - 1, 0.9))
+    kls += [1.4e-5] * 10 + [1.6e-5]  # mean 1.42e-5: just inside with the last just outside
+    checks.append((len(kls) - 1, 'same'))
+    return kls, checks
+
+
+def test_controller_deadband_uses_the_window_mean_not_the_last_kl():
+    kls, checks = edge_kls()
+    got, want = run(kls), spec_lambdas(kls)
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    for i, what in checks:
+        assert 1e-7 < want[i - 1] < 1e-5 / 1.1  # off the clip bounds: a change would show
+        expect = want[i - 1] if what == 'same' else want[i - 1] * what
+        assert got[i] == pytest.approx(expect, rel=1e-12), (i, what)
+
+
+@pytest.mark.parametrize('direction', [+1, -1])
+def test_controller_matches_spec_reference_on_random_kls(direction):
+    g = torch.Generator().manual_seed(direction % 7)
+    # log-uniform KLs from 0.1x to 10x the target, with runs that hold the window on one side
+    kls = (1e-5 * 10 ** (2 * torch.rand(600, generator=g, dtype=torch.float64) - 1)).tolist()
+    kls[300:340] = [3e-5] * 40
+    kls[400:460] = [1e-6] * 60
+    got, want = run(kls, direction=direction), spec_lambdas(kls, direction)
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert len(set(want[100:])) > 20  # the rule moved lambda, not only the clip
+
+
 # ---- anchor ----
 
 def mlp():
