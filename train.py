@@ -341,6 +341,8 @@ if iter_num == 0:
     first_eval = evaluate()
     if master:
         print('eval iter 0: ' + ' '.join(f'{k} {v:.4f}' for k, v in first_eval.items()))
+        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:  # the base model's scores
+            f.write(json.dumps({'iter': 0, **{f'eval_{k}': v for k, v in first_eval.items()}}) + '\n')
 policy.train()
 while iter_num < max_iters:
     t0 = time.time()
