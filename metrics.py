@@ -106,7 +106,11 @@ def _load(model_dir, processor_dir, how, device, dtype):
     _need(os.path.join(model_dir, 'config.json'), how)
     image = image_settings(processor_dir, how)
     tokenizer = AutoTokenizer.from_pretrained(processor_dir)
-    model = CLIPModel.from_pretrained(model_dir, dtype=dtype).to(device).eval().requires_grad_(False)
+    try:
+        model = CLIPModel.from_pretrained(model_dir, dtype=dtype)
+    except OSError as e:  # config.json but no weights file: an interrupted download
+        raise FileNotFoundError(f'{model_dir}: {e}; get it with: {how}') from e
+    model.to(device).eval().requires_grad_(False)
     return model, tokenizer, image
 
 

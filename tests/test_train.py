@@ -4,7 +4,8 @@ train.py and sample.py end to end, as a user runs them (subprocesses):
   losses, rewards logged, a checkpoint written;
 - resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process;
 - the real HunyuanVideo 1.5 path with tiny random diffusers parts and the tiny VideoAlign of the
-  reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks;
+  reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks, with CLIPScore
+  and PickScore (tiny random CLIP models) logged at the held-out evaluations;
 - bad settings fail with a clear message and touch nothing already written; a NaN reward drops its
   clip, and an all-NaN iteration stops the run before the update;
 - sample.py writes mp4 files that read back with the right shape, and the contact sheet.
@@ -92,7 +93,9 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
              (['--train_prompts=nope.txt'], 'not found'),
              (['--no_such_key=1'], "unknown setting 'no_such_key'"),
              (['--eta=fast'], 'eta must be float'),
-             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'huggingface-cli download')]
+             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'huggingface-cli download'),
+             (['--eval_metrics=clipscore', '--clip_dir=/nonexistent/clip'],
+              'hf download openai/clip-vit-large-patch14 --local-dir /nonexistent/clip')]
     for args, message in cases:
         p = run(SMALL + [f'--out_dir={out}'] + args, check=False)
         assert p.returncode != 0 and message in p.stdout + p.stderr, (args, p.stderr[-2000:])
@@ -104,15 +107,22 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
 
 def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
     from tiny_hunyuan import make_tiny_hunyuan
+    from tiny_clip import make_tiny_clip
     from tiny_videoalign import make_tiny_videoalign
     root = make_tiny_hunyuan(str(tmp_path / 'hv'))
     ckpt_dir, qwen_dir = make_tiny_videoalign(str(tmp_path / 'va'))
+    clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'out')
-    run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
-         '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
-         '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
-         '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt'], torchrun=True)
+    p = run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
+           '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}',
+           '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
+           '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
+           '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt'], torchrun=True)
     check_run(out, 1)
+    evals = [r for r in metrics(out) if 'eval_composite' in r]  # the last evaluation's row
+    assert evals and all(math.isfinite(evals[-1][f'eval_{k}']) for k in ('clipscore', 'pickscore')), evals
+    first = next(l for l in p.stdout.splitlines() if l.startswith('eval iter 0:'))  # printed, not logged
+    assert ' clipscore ' in first and ' pickscore ' in first, first
 
 
 def test_sample_writes_videos_and_contact_sheet(tmp_path):
