@@ -8,7 +8,8 @@ train.py and sample.py end to end, as a user runs them (subprocesses):
   and PickScore (tiny random CLIP models) logged at the held-out evaluations;
 - bad settings fail with a clear message and touch nothing already written; a NaN reward drops its
   clip, and an all-NaN iteration stops the run before the update;
-- sample.py writes mp4 files that read back with the right shape, and the contact sheet.
+- sample.py writes mp4 files that read back with the right shape, the contact sheet, and the metrics
+  table (the toy's reward, CLIPScore and PickScore of tiny random CLIP models; skipped if weights are missing).
 """
 import json
 import math
@@ -128,8 +129,11 @@ def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
 def test_sample_writes_videos_and_contact_sheet(tmp_path):
     ckpt = str(tmp_path / 'ck')
     run(SMALL + [f'--out_dir={ckpt}', '--max_iters=1'])
+    from tiny_clip import make_tiny_clip
+    clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'samples')
-    p = run(['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_prompts=2', '--num_steps=4'])
+    p = run(['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_prompts=2', '--num_steps=4',
+             '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}'])
     import toy
     for name in ('base', 'aligned'):
         for i in range(2):
@@ -140,6 +144,16 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     zoom = max(1, 96 // toy.HEIGHT)  # small frames are enlarged on the sheet
     assert sheet.shape[0] == 2 * 2 * (zoom * toy.HEIGHT + 2) and sheet.shape[1] == toy.FRAMES * (zoom * toy.WIDTH + 2)
     assert 'contact sheet' in p.stdout
+    # the metrics table: every metric of the toy's reward plus the visual ones, base and aligned
+    with open(os.path.join(out, 'metrics.json')) as f:
+        table = json.load(f)
+    keys = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'clipscore', 'pickscore')
+    assert list(table) == ['base', 'aligned'] and all(math.isfinite(table[m][k]) for m in table for k in keys)
+    assert 'metrics, mean over 2 prompts' in p.stdout and all(k in p.stdout for k in keys)
+    # missing weights: the videos and the sheet are written, the table is skipped naming the download
+    p = run(['sample.py', '--checkpoint=', f'--out_dir={tmp_path / "s2"}', '--num_prompts=1', '--num_steps=2',
+             '--eval_metrics=pickscore', '--pickscore_dir=/nonexistent/pick'])
+    assert 'no metrics table' in p.stdout and 'hf download yuvalkirstain/PickScore_v1 --local-dir /nonexistent/pick' in p.stdout
 
 
 def test_lora_trains_only_adapters(tmp_path):
