@@ -9,11 +9,11 @@ for reward hacking: a VideoAlign score that rises while these fall is the reward
 
 Definitions, per frame f of a clip with prompt c, e = the unit-normalised projected CLIP embeddings:
 - clipscore = 2.5 * max(cos(e_img(f), e_txt(c)), 0) with openai/clip-vit-large-patch14: CLIPScore as
-  Hessel et al. (2021) define it (w = 2.5). The paper's best Setting-B value 0.5484 is this scale: ViT-L/14
-  cosines of matching pairs are ~0.2-0.35 (2.5x: 0.5-0.85); a raw cosine of 0.55 would be far above what
-  CLIP gives any caption, and torchmetrics' 100 x cos would read ~25.
+  Hessel et al. (2021) define it (w = 2.5). The paper's best Setting-B value 0.5484 fits this scale only:
+  it is a mean cosine of 0.22, where ViT-L/14 cosines of matching pairs are typically 0.2-0.35; a raw
+  cosine of 0.55 is far above what CLIP gives any caption, and torchmetrics' 100 x cos reads ~20-35.
 - pickscore = exp(logit_scale) * cos(e_img(f), e_txt(c)) with yuvalkirstain/PickScore_v1 (CLIP-H/14),
-  exactly the model card's score (exp(logit_scale) = 100: ~18-23 for generated images).
+  exactly the model card's score (exp(logit_scale) = 100; typically ~20 for generated images).
 The clip's value is the mean over ALL its frames (no stride; 81 frames of 224x224 are cheap next to a
 rollout). Preprocessing is CLIPImageProcessor's, in torch on in-memory frames, with the sizes, mean and
 std read from the directory's preprocessor_config.json: frames quantised to 8 bits (as a saved video),
@@ -21,11 +21,11 @@ shortest side resized to 224 (bicubic, antialiased, as PIL), centre crop 224, me
 Prompts are truncated to CLIP's 77 tokens (HunyuanVideo prompts are often longer).
 
 Where this differs and why:
-- PickScore's tokenizer and image settings are read from the PickScore_v1 directory, which ships the
-  processor files (the model card loads them from laion/CLIP-ViT-H-14-laion2B-s32B-b79K, the same CLIP-H
-  processor); load_pickscore takes processor_dir to use laion's instead.
-- torch's antialiased bicubic is PIL's kernel in float, not PIL's fixed-point one: pixels differ by at most
-  1 level of 255, scores by ~1e-3 (tests/test_metrics.py measures it against CLIPImageProcessor).
+- PickScore's tokenizer and image settings are read from the PickScore_v1 directory, which ships processor
+  files uploaded by its author; the model card loads laion/CLIP-ViT-H-14-laion2B-s32B-b79K's (the CLIP-H
+  processor it was trained with; not compared byte for byte here): load_pickscore(processor_dir=...) uses those.
+- torch's antialiased bicubic is PIL's kernel in float, not PIL's fixed-point one: 6-16% of the pixels
+  differ by one level of 255, none by more (tests/test_metrics.py, against CLIPImageProcessor).
 tests/test_metrics.py: tiny random CLIP models in the released layout, against transformers' own
 processor and get_*_features one frame at a time; the missing-weights message.
 """

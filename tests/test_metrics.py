@@ -6,6 +6,7 @@ metrics.py against independent references, with tiny random CLIP models in the r
 - scores: each frame scored alone with the PIL processor, each prompt tokenised alone, embeddings from
   CLIPModel.get_text_features / get_image_features, then the definition (2.5 * max(cos, 0); and
   exp(logit_scale) * cos), then the mean over frames; prompts longer than 77 tokens are truncated;
+- the two definitions on given cosines, negative ones included;
 - missing weights name the `hf download` command; an empty list loads nothing; a typo is an error.
 """
 import numpy as np
@@ -99,6 +100,13 @@ def test_scores_match_per_frame_reference(dirs):
     other = frames.clone()
     other[:, -1] = 1 - other[:, -1]
     assert (pick_fn(other, PROMPTS) - got_p).abs().min() > 1e-3
+
+
+def test_definitions(dirs):
+    cos = torch.tensor([[-0.3, 0.0, 0.2, 0.9]])
+    torch.testing.assert_close(metrics.load_clipscore(dirs['clip']).scale(cos), torch.tensor([[0.0, 0.0, 0.5, 2.25]]))
+    pick = metrics.load_pickscore(dirs['pickscore'])  # tiny_clip sets logit_scale = log 100, as released
+    torch.testing.assert_close(pick.scale(cos), 100 * cos)
 
 
 def test_load_metrics_names_and_missing_weights(dirs, tmp_path):
