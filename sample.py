@@ -8,6 +8,9 @@ the base model with an aligned checkpoint at a glance (one row of frames per mod
         --prompts=prompts/eval.txt --num_frames=81 --height=480 --width=848 --cfg=6.0 --shift=5.0 --fps=24
 
 Files: out_dir/<name>_<i>.mp4 for name in (base, aligned), and out_dir/contact_sheet.png.
+Then a table of every metric, mean over the prompts, base vs aligned (also out_dir/metrics.json): the
+toy's exact reward and manifold distance, or VideoAlign's VQ/MQ/TA, plus CLIPScore and PickScore with
+--eval_metrics=clipscore,pickscore (metrics.py). Missing weights skip the table with the download command.
 """
 import json
 import os
@@ -38,6 +41,12 @@ fps = 8                         # frame rate written to the mp4 files
 seed = 0                        # the same seed per prompt for every model: differences are the model's
 device = 'cpu'
 out_dir = 'samples'
+metrics_table = True            # print base vs aligned scores: the toy's reward, or VideoAlign's
+videoalign_dir = 'weights/VideoReward'        # (real model) VideoAlign, as in train.py
+qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
+eval_metrics = ''               # visual metrics in the table too: 'clipscore,pickscore' (metrics.py)
+clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
+pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
 config = configure(globals())
 # -----------------------------------------------------------------------------
 
@@ -103,3 +112,38 @@ for i in range(B):
 png = (sheet.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
 imageio.imwrite(os.path.join(out_dir, 'contact_sheet.png'), png)
 print(f'contact sheet: {out_dir}/contact_sheet.png ({" above ".join(n for n, _ in models)}, one pair of rows per prompt)')
+
+# ----------------------------------------------------------------------------- metrics table
+# the clips above scored by the reward (the toy's exact one, or VideoAlign) and the visual metrics,
+# base vs aligned: the first look at reward hacking (a reward that rises while CLIPScore falls)
+if metrics_table:
+    from metrics import load_metrics
+    from model import is_toy
+    from reward import SETTING_B, combine
+    clips = [r[..., ::zoom, ::zoom] for r in rows]  # the sheet's nearest-neighbour zoom undone: exact
+    try:
+        if is_toy(model):
+            import toy
+            reward_fn, manifold_distance = toy.reward, toy.manifold_distance
+        else:
+            from reward import load_videoalign
+            reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
+        visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, device)
+    except (OSError, ValueError) as e:  # the videos and the sheet are written: say what is missing
+        print(f'no metrics table: {e}')
+        reward_fn = None
+    table = {}
+    for (name, _), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
+        sc = reward_fn(frames, prompt_list, fps)
+        sc['composite'] = combine(sc, SETTING_B)  # (0.5, 0.5, 1) x (VQ, MQ, TA), train.py's default
+        if manifold_distance is not None:
+            sc['manifold'] = manifold_distance(frames)
+        sc.update({k: fn(frames, prompt_list) for k, fn in visual.items()})  # per-frame mean, (B,) each
+        table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}  # over prompts
+    if table:
+        keys = list(table['base'])
+        print(f'metrics, mean over {len(prompt_list)} prompts:\n' + ' ' * 8 + ''.join(f'{k:>11}' for k in keys))
+        for name, row in table.items():
+            print(f'{name:<8}' + ''.join(f'{row[k]:>11.4f}' for k in keys))
+        with open(os.path.join(out_dir, 'metrics.json'), 'w') as f:
+            json.dump(table, f, indent=1)

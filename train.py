@@ -64,6 +64,9 @@ reward_model = 'videoalign'     # 'videoalign' (frozen, shared/SPEC.md 6) or 'to
 videoalign_dir = 'weights/VideoReward'        # huggingface-cli download KwaiVGI/VideoReward
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'     # huggingface-cli download Qwen/Qwen2-VL-2B-Instruct
 reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA): Setting B, the paper's main one; A is (1, 1, 1)
+eval_metrics = 'clipscore,pickscore'  # visual metrics at held-out evaluation (metrics.py); '' for none
+clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
+pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
 # sampler
 sampler = 'sage'                # SDE of the rollouts: 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.5                       # exploration scale of the SDE noise
@@ -203,6 +206,11 @@ if reward_model == 'toy':
 else:
     from reward import load_videoalign
     reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
+try:  # frozen watchers for reward hacking, scored at held-out evaluation only
+    from metrics import load_metrics
+    visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, device)  # {name: score_fn}
+except (OSError, ValueError) as e:
+    raise SystemExit(f'eval_metrics: {e} (--eval_metrics= switches them off)')
 
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w)
 sigmas = sde.sigmas(num_steps, shift).to(device)        # (N + 1,) from 1.0 to 0.0
@@ -248,6 +256,7 @@ def evaluate():
         sc['composite'] = combine(sc, reward_weights)
         if manifold_distance is not None:
             sc['manifold'] = manifold_distance(frames)
+        sc.update({k: fn(frames, prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
         rows += [{k: float(v[j]) for k, v in sc.items()} for j in range(len(idx))]
         for j, i in enumerate(idx):
             if master and i < eval_videos * world:

@@ -4,6 +4,7 @@
 # Everything not set here keeps the paper's default from the top of train.py.
 model = 'assets/toy'            # the committed, pretrained tiny HunyuanVideo15Transformer3DModel
 reward_model = 'toy'            # toy.reward: VQ, MQ, TA in [0, 1], exact
+eval_metrics = ''               # no CLIPScore/PickScore: the toy's metrics are exact; 24x24 frames mean little to CLIP
 train_prompts = 'assets/toy/train_prompts.txt'
 eval_prompts = 'assets/toy/eval_prompts.txt'
 out_dir = 'out-toy'

@@ -4,10 +4,12 @@ train.py and sample.py end to end, as a user runs them (subprocesses):
   losses, rewards logged, a checkpoint written;
 - resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process;
 - the real HunyuanVideo 1.5 path with tiny random diffusers parts and the tiny VideoAlign of the
-  reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks;
+  reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks, with CLIPScore
+  and PickScore (tiny random CLIP models) logged at the held-out evaluations;
 - bad settings fail with a clear message and touch nothing already written; a NaN reward drops its
   clip, and an all-NaN iteration stops the run before the update;
-- sample.py writes mp4 files that read back with the right shape, and the contact sheet.
+- sample.py writes mp4 files that read back with the right shape, the contact sheet, and the metrics
+  table (the toy's reward, CLIPScore and PickScore of tiny random CLIP models; skipped if weights are missing).
 """
 import json
 import math
@@ -92,7 +94,9 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
              (['--train_prompts=nope.txt'], 'not found'),
              (['--no_such_key=1'], "unknown setting 'no_such_key'"),
              (['--eta=fast'], 'eta must be float'),
-             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'huggingface-cli download')]
+             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'huggingface-cli download'),
+             (['--eval_metrics=clipscore', '--clip_dir=/nonexistent/clip'],
+              'hf download openai/clip-vit-large-patch14 --local-dir /nonexistent/clip')]
     for args, message in cases:
         p = run(SMALL + [f'--out_dir={out}'] + args, check=False)
         assert p.returncode != 0 and message in p.stdout + p.stderr, (args, p.stderr[-2000:])
@@ -104,22 +108,32 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
 
 def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
     from tiny_hunyuan import make_tiny_hunyuan
+    from tiny_clip import make_tiny_clip
     from tiny_videoalign import make_tiny_videoalign
     root = make_tiny_hunyuan(str(tmp_path / 'hv'))
     ckpt_dir, qwen_dir = make_tiny_videoalign(str(tmp_path / 'va'))
+    clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'out')
-    run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
-         '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
-         '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
-         '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt'], torchrun=True)
+    p = run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
+           '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}',
+           '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
+           '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
+           '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt'], torchrun=True)
     check_run(out, 1)
+    evals = [r for r in metrics(out) if 'eval_composite' in r]  # the last evaluation's row
+    assert evals and all(math.isfinite(evals[-1][f'eval_{k}']) for k in ('clipscore', 'pickscore')), evals
+    first = next(l for l in p.stdout.splitlines() if l.startswith('eval iter 0:'))  # printed, not logged
+    assert ' clipscore ' in first and ' pickscore ' in first, first
 
 
 def test_sample_writes_videos_and_contact_sheet(tmp_path):
     ckpt = str(tmp_path / 'ck')
     run(SMALL + [f'--out_dir={ckpt}', '--max_iters=1'])
+    from tiny_clip import make_tiny_clip
+    clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'samples')
-    p = run(['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_prompts=2', '--num_steps=4'])
+    p = run(['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_prompts=2', '--num_steps=4',
+             '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}'])
     import toy
     for name in ('base', 'aligned'):
         for i in range(2):
@@ -130,6 +144,16 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     zoom = max(1, 96 // toy.HEIGHT)  # small frames are enlarged on the sheet
     assert sheet.shape[0] == 2 * 2 * (zoom * toy.HEIGHT + 2) and sheet.shape[1] == toy.FRAMES * (zoom * toy.WIDTH + 2)
     assert 'contact sheet' in p.stdout
+    # the metrics table: every metric of the toy's reward plus the visual ones, base and aligned
+    with open(os.path.join(out, 'metrics.json')) as f:
+        table = json.load(f)
+    keys = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'clipscore', 'pickscore')
+    assert list(table) == ['base', 'aligned'] and all(math.isfinite(table[m][k]) for m in table for k in keys)
+    assert 'metrics, mean over 2 prompts' in p.stdout and all(k in p.stdout for k in keys)
+    # missing weights: the videos and the sheet are written, the table is skipped naming the download
+    p = run(['sample.py', '--checkpoint=', f'--out_dir={tmp_path / "s2"}', '--num_prompts=1', '--num_steps=2',
+             '--eval_metrics=pickscore', '--pickscore_dir=/nonexistent/pick'])
+    assert 'no metrics table' in p.stdout and 'hf download yuvalkirstain/PickScore_v1 --local-dir /nonexistent/pick' in p.stdout
 
 
 def test_lora_trains_only_adapters(tmp_path):
