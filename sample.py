@@ -100,6 +100,7 @@ for name, ckpt in models:
 # contact sheet: for each prompt, one row of frames per model (base above aligned), 2-pixel gaps;
 # small frames (the toy's 24x24) are enlarged by an integer factor, nearest neighbour
 zoom = max(1, 96 // rows[0].shape[-2])
+clips = rows  # (B, F, 3, H, W) per model, as decoded: the metrics table scores these
 rows = [f.repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]
 B, F, _, H, W = rows[0].shape
 gap = 2
@@ -120,7 +121,6 @@ if metrics_table:
     from metrics import load_metrics
     from model import is_toy
     from reward import SETTING_B, combine
-    clips = [r[..., ::zoom, ::zoom] for r in rows]  # the sheet's nearest-neighbour zoom undone: exact
     try:
         if is_toy(model):
             import toy
