@@ -10,6 +10,7 @@ model), so only TA depends on the text. Normalised with the released mean/std; O
     reward_fn = load_videoalign("ckpt/VideoReward", "ckpt/Qwen2-VL-2B-Instruct", device="cuda")
     scores = reward_fn(frames, prompts, fps=24)  # frames (B, F, 3, H, W) in [0, 1]
     r = combine(scores)                          # (B,), SETTING_B weights
+    scores, g = score_and_grad(reward_fn, frames, prompts, 24)  # + d combine / d frames (credit.py)
 
 Facts from github.com/KwaiVGI/VideoAlign 219ab9d (inference.py, train_reward.py, trainer.py, utils.py,
 vision_process.py, prompt_template.py, train.sh; transformers 4.45.2). Knowing differences, and why:

@@ -20,6 +20,8 @@ Where this differs from the paper and why:
 - cps: the log-prob is the true Gaussian density (the CPS reference code drops the constants and
   the 1/(2 std^2) factor), the same density as every other kind.
 - the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
+- optional (not in the paper; TVRL's weighted_logprob): log_prob's per-element weight makes the
+  reduction a weighted mean sum(w logp)/sum(w) (credit.py); weight=None is the mean, bitwise.
 
 Tested by: python -m pytest tests/test_sde.py
 """
