@@ -6,6 +6,7 @@ SDE, a temporal gradient equalizer) and a dual trust region (moving anchor + pre
     torchrun --nproc_per_node=2 train.py config/toy.py       # its FSDP path on CPU (gloo)
     torchrun --nproc_per_node=8 train.py                     # HunyuanVideo 1.5 480p + VideoAlign
     python train.py config/toy.py --sampler=flow --kl_strategy=none   # a baseline: one constant
+    python train.py config/toy.py --credit=tvrl              # token-level credit (credit.py)
 
 Settings are the constants below (the paper's released defaults, shared/SPEC.md section 4);
 config files and --key=value override them (configurator.py). The loss is loss.py, SPEC section 4.
