@@ -45,7 +45,8 @@ from configurator import configure
 out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
 quick = False                   # a reduced version of everything (<= 3 min on 2 cores)
 sections = '1,2,3,4,5'          # which sections to run
-ablations = 'a,b,c,d,e'         # which parts of section 3 to run (the tables show every part already cached)
+ablations = 'a,b,c,d,e'         # which parts of section 3 to run (the tables show every part already cached;
+                                # 'tvrl': token-level credit, run on request: --ablations=tvrl)
 threads = 1                     # torch CPU threads, here and in every train.py started (2 threads on a
                                 # shared 2-core machine run ~10x slower: OpenMP spin-waits)
 eta = 0.5                       # the SPEC default exploration scale
@@ -447,6 +448,8 @@ def ablation_cells():
               for m in (1e-5, acting_kl_max) for n in (1, 5, 10, 50)],
         'd': [(f'kl_max={v:g}', dict(sage, **at(v))) for v in (1e-5, 1e-3, 1e-1, 1.0)],
         'e': [('flow G=8', dict(sage, sampler='flow', group_size=8)), ('sage G=4', dict(sage))],
+        'tvrl': [('credit none', dict(sage)), ('credit tvrl (window)', dict(sage, credit='tvrl')),  # credit.py
+                 ('credit tvrl (frame)', dict(sage, credit='tvrl', credit_granularity='frame'))],
     }
     if quick:  # two cells: enough to exercise the subprocess path, the tables and the curves
         parts = {'a': parts['a'][0:1] + parts['a'][2:3]}
@@ -500,7 +503,8 @@ def section3():
             curves[label] = [[i['reward'] for i in r['iters']] for r in runs]
         title = {'a': '(a) sampler x equalizer, KL dual', 'b': '(b) KL strategy, sage + equalizer',
                  'c': '(c) anchor interval N (dual)', 'd': '(d) kl_max (upper clip / warm-up end of lambda_KL)',
-                 'e': '(e) more samples for the baseline: flow G=8 vs sage G=4'}[part]
+                 'e': '(e) more samples for the baseline: flow G=8 vs sage G=4',
+                 'tvrl': '(g) token-level credit (TVRL, credit.py), sage + equalizer + dual KL'}[part]
         md += [f'### {title}', '', table(['cell', 'seeds', 'before', 'final composite', 'VQ', 'MQ', 'TA',
                                           'manifold', 'explore', 'kl_grad'], rows), '']
         if plt and curves:

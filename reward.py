@@ -10,6 +10,7 @@ model), so only TA depends on the text. Normalised with the released mean/std; O
     reward_fn = load_videoalign("ckpt/VideoReward", "ckpt/Qwen2-VL-2B-Instruct", device="cuda")
     scores = reward_fn(frames, prompts, fps=24)  # frames (B, F, 3, H, W) in [0, 1]
     r = combine(scores)                          # (B,), SETTING_B weights
+    scores, g = score_and_grad(reward_fn, frames, prompts, 24)  # + d combine / d frames (credit.py)
 
 Facts from github.com/KwaiVGI/VideoAlign 219ab9d (inference.py, train_reward.py, trainer.py, utils.py,
 vision_process.py, prompt_template.py, train.sh; transformers 4.45.2). Knowing differences, and why:
@@ -128,14 +129,21 @@ def patchify(x, patch=14, temporal=2, merge=2):
     return x.reshape(gt * gh * gw, C * temporal * patch * patch), torch.tensor([gt, gh, gw])
 
 
+def _round(x):
+    """round(x); with a gradient, straight-through (identity backward): the 8-bit quantisation has a zero
+    gradient almost everywhere, which would hide the reward's dependence on the pixels. The forward value
+    is bitwise round(x) for |x| < 2**22: r - x is exact (Sterbenz) and x + (r - x) rounds to r."""
+    return x + (x.round() - x).detach() if x.requires_grad else x.round()
+
+
 def preprocess_video(video, fps, sample_fps=SAMPLE_FPS, max_pixels=MAX_PIXELS, patch=14, temporal=2, merge=2):
     """One video (F, 3, H, W) in [0, 1] -> (pixel rows, video_grid_thw), as the released pipeline."""
     idx = sample_indices(video.shape[0], fps, sample_fps)
     h, w = smart_resize(video.shape[2], video.shape[3], patch * merge, MIN_PIXELS, max_pixels)
-    x = (video[idx].float() * 255).round()  # (T, 3, H, W) 8-bit levels, as decoded from an mp4
+    x = _round(video[idx].float() * 255)  # (T, 3, H, W) 8-bit levels, as decoded from an mp4
     # torchvision's resize of a uint8 video: bicubic with antialias, then clamp and round to uint8
     x = F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
-    x = x.clamp(0, 255).round() / 255  # the processor's rescale (do_rescale=True)
+    x = _round(x.clamp(0, 255)) / 255  # the processor's rescale (do_rescale=True)
     mean, std = (torch.tensor(c, device=x.device).view(1, 3, 1, 1) for c in (CLIP_MEAN, CLIP_STD))
     return patchify((x - mean) / std, patch, temporal, merge)
 
@@ -205,6 +213,10 @@ class VideoAlign:
 
     @torch.no_grad()
     def __call__(self, frames, prompts, fps):
+        return self.score(frames, prompts, fps)
+
+    def score(self, frames, prompts, fps):
+        """__call__ in the caller's grad mode: differentiable in frames (the weights are frozen)."""
         check_inputs(frames, prompts, fps)
         raw = torch.full((len(frames), 3), float("nan"), dtype=torch.float64)  # NaN: not scored
         items = {}
@@ -231,6 +243,24 @@ class VideoAlign:
 def combine(scores, weights=SETTING_B):
     """Composite reward (B,): w_vq*VQ + w_mq*MQ + w_ta*TA; a NaN score stays NaN."""
     return sum(w * scores[k] for w, k in zip(weights, DIMS))  # weights in DIMS order (VQ, MQ, TA)
+
+
+def score_and_grad(reward_fn, frames, prompts, fps, weights=SETTING_B):
+    """Scores (as reward_fn) and g = d combine(scores, weights) / d frames (B, F, 3, H, W) float32, the
+    gradient of each clip's composite w.r.t. its own pixels, the reward's parameters held fixed (they
+    never receive gradients: VideoAlign's are frozen, the toy has none). VideoAlign differentiates
+    through its torch preprocessing (resize, patchify; 8-bit rounding straight-through). A clip whose
+    score is NaN gets g = 0. One backward of the sum: clips do not interact in the reward."""
+    x = frames.detach().float().requires_grad_(True)
+    with torch.enable_grad():
+        scores = getattr(reward_fn, "score", reward_fn)(x, prompts, fps)
+        r = combine(scores, weights)  # (B,)
+        ok = torch.isfinite(r.detach())
+        if ok.any():
+            torch.where(ok.to(r.device), r, 0.0).sum().backward()
+    g = x.grad if x.grad is not None else torch.zeros_like(x)
+    g = torch.where(torch.isfinite(g), g, 0.0)  # (B, F, 3, H, W)
+    return {k: v.detach() for k, v in scores.items()}, g
 
 
 def group_advantages(r, clip=5.0, eps=1e-6):

@@ -20,6 +20,8 @@ Where this differs from the paper and why:
 - cps: the log-prob is the true Gaussian density (the CPS reference code drops the constants and
   the 1/(2 std^2) factor), the same density as every other kind.
 - the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
+- optional (not in the paper; TVRL's weighted_logprob): log_prob's per-element weight makes the
+  reduction a weighted mean sum(w logp)/sum(w) (credit.py); weight=None is the mean, bitwise.
 
 Tested by: python -m pytest tests/test_sde.py
 """
@@ -93,9 +95,21 @@ class Step(NamedTuple):
     logp: torch.Tensor | None  # (B,) float32 mean log-density of prev, None for an ODE step
 
 
-def step(x, v, s, s_next, kind='sage', eta=0.5, prev=None, generator=None, noise=None):
+def log_prob(prev, mean, std, weight=None):
+    """(B,) float32 log-density of prev (B, ...) under N(mean, std^2 I), std (B,) > 0: the full Gaussian
+    per element, then the mean over all non-batch elements, or with weight (broadcastable to prev,
+    >= 0, detached: credit.py) the weighted mean sum(w logp) / sum(w). weight=None is bitwise the mean."""
+    sd = std.float().view(prev.shape[0], *[1] * (prev.dim() - 1))  # (B, 1, ...)
+    logp = -(prev.float() - mean) ** 2 / (2 * sd**2) - torch.log(sd) - LOG_SQRT_2PI  # (B, ...)
+    if weight is None:
+        return logp.flatten(1).mean(1)
+    w = weight.detach().float().expand_as(logp)  # (B, ...) credit is data, not a function of the weights
+    return (w * logp).flatten(1).sum(1) / w.flatten(1).sum(1)
+
+
+def step(x, v, s, s_next, kind='sage', eta=0.5, prev=None, generator=None, noise=None, weight=None):
     """One step s -> s_next. prev=None: sample it (rollout) with z = noise, or drawn from generator.
-    prev given: score it (training)."""
+    prev given: score it (training). weight: per-element weight of the log-prob (see log_prob)."""
     B, ndim = x.shape[0], x.dim()
     s64 = _as_tensor(s).double().to(x.device).expand(B)  # (B,) per-sample sigma
     s_next64 = _as_tensor(s_next).double().to(x.device).expand(B)  # (B,)
@@ -119,7 +133,5 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, prev=None, generator=None, noise
         z = noise.float() if noise is not None else \
             torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
         prev = (mean.detach() + bcast(std) * z).to(x.dtype)
-    # full Gaussian log-density per element, float32, averaged over all non-batch elements
-    sd = bcast(std)
-    logp = -(prev.float() - mean) ** 2 / (2 * sd**2) - torch.log(sd) - LOG_SQRT_2PI  # (B, ...)
-    return Step(prev, mean, std, logp.flatten(1).mean(1))
+    # full Gaussian log-density per element, float32, averaged (or credit-weighted) over the elements
+    return Step(prev, mean, std, log_prob(prev, mean, std, weight))

@@ -234,9 +234,9 @@ def fit(frames):
     empty (B, F) the mse to the bare background (the frame's total deviation from it)."""
     B, Fr = frames.shape[:2]
     N, HW = B * Fr, HEIGHT * WIDTH
-    d = frames.float().reshape(N, 3, HW) - BACKGROUND  # (N, 3, HW)
+    d = frames.to(torch.promote_types(frames.dtype, torch.float32)).reshape(N, 3, HW) - BACKGROUND  # (N, 3, HW), float64 kept
     m = (d.square().sum(1, keepdim=True).sqrt() * d).sum(2)  # (N, 3) parallel to a clean frame's colour
-    k = (F.normalize(m, dim=1) @ F.normalize(_U, dim=1).T).argmax(1)  # (N,) colour of the frame
+    k = (F.normalize(m, dim=1) @ F.normalize(_U.to(m.dtype), dim=1).T).argmax(1)  # (N,) colour of the frame
     ud = (d * _U[k][:, :, None]).sum(1)  # (N, HW) projection on the colour: coverage * |u|^2 if clean
     alpha = (ud / _U2).clamp(0, 1)  # (N, HW)
     mass = alpha.sum(1).clamp(min=1e-6)  # (N,)
@@ -297,7 +297,7 @@ def reward(frames, prompts, fps=FPS):
     target = torch.tensor([parse(q) for q in prompts])  # (B, 3) colour, shape, direction ids
     # colour: cosine of the clip's mean colour with the prompt's minus the best other one; clean
     # renders have margin 1 - 1/3 (yellow vs red, the closest pair), scaled so that counts as 1
-    cos = F.normalize(m.sum(1), dim=1) @ F.normalize(_U, dim=1).T  # (B, 4)
+    cos = F.normalize(m.sum(1), dim=1) @ F.normalize(_U.to(m.dtype), dim=1).T  # (B, 4)
     own = cos.gather(1, target[:, :1])[:, 0]
     colour = ((own - cos.scatter(1, target[:, :1], -2).max(1).values) / 0.6).clamp(0, 1)
     # shape: relative margin of the prompt's shape over the best other one in explaining the clip

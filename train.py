@@ -6,6 +6,7 @@ SDE, a temporal gradient equalizer) and a dual trust region (moving anchor + pre
     torchrun --nproc_per_node=2 train.py config/toy.py       # its FSDP path on CPU (gloo)
     torchrun --nproc_per_node=8 train.py                     # HunyuanVideo 1.5 480p + VideoAlign
     python train.py config/toy.py --sampler=flow --kl_strategy=none   # a baseline: one constant
+    python train.py config/toy.py --credit=tvrl              # token-level credit (credit.py)
 
 Settings are the constants below (the paper's released defaults, shared/SPEC.md section 4);
 config files and --key=value override them (configurator.py). The loss is loss.py, SPEC section 4.
@@ -16,6 +17,8 @@ Where this code knowingly differs from the paper or its released code:
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
   updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
+- credit='tvrl' (not in the paper; TVRL on top): each clip's log-prob is a credit-weighted mean over its
+  latent tokens (credit.py) instead of the plain mean, in both the old and the new log-prob.
 """
 import hashlib
 import json
@@ -31,11 +34,12 @@ from tqdm import tqdm
 
 import sde
 from configurator import configure
+from credit import credit_map
 from equalizer import scales
 from loss import denominator, grpo_loss
 from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4, velocity
-from reward import combine, group_advantages
+from reward import combine, group_advantages, sample_indices, score_and_grad
 from trust_region import Anchor, KLController
 
 # ----------------------------------------------------------------------------- settings
@@ -67,6 +71,9 @@ reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA): Setting B, the paper's main on
 eval_metrics = 'clipscore,pickscore'  # visual metrics at held-out evaluation (metrics.py); '' for none
 clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
 pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
+credit = 'none'                 # 'none': a clip's tokens share its advantage (GRPO); 'tvrl': credit.py weights
+credit_granularity = 'window'   # tvrl: 'window' (a weight per latent token) or 'frame' (one per latent frame)
+credit_window = (1, 3, 3)       # tvrl: (t, h, w) latent tokens of the smoothing box (odd; (1, 1, 1): none)
 # sampler
 sampler = 'sage'                # SDE of the rollouts: 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.5                       # exploration scale of the SDE noise
@@ -106,6 +113,8 @@ config = configure(globals())
 KINDS, STRATEGIES = ('sage', 'flow', 'dance', 'cps'), ('none', 'fixed', 'stepwise', 'moving', 'dual')
 if sampler not in KINDS or kl_strategy not in STRATEGIES:
     raise SystemExit(f'sampler must be one of {KINDS}, kl_strategy one of {STRATEGIES}')
+if credit not in ('none', 'tvrl'):
+    raise SystemExit(f"credit must be 'none' or 'tvrl', got {credit!r}")
 if group_size < 2:
     raise SystemExit(f'group_size must be at least 2 (GRPO compares rollouts of a prompt), got {group_size}')
 
@@ -314,7 +323,7 @@ def step_loss(b, t, clips, denom=1.0):
     # both CFG branches carry gradients: the rollout policy is the guided velocity, so the exact
     # gradient of its log-prob flows through the conditional and the unconditional forward alike
     v = velocity(policy, x, s, text, cfg, text_neg)
-    new = sde.step(x, v, s, s_next, sampler, eta, prev=prev)
+    new = sde.step(x, v, s, s_next, sampler, eta, prev=prev, weight=clips['credit'][b] if credit == 'tvrl' else None)
     return grpo_loss(new.logp, clips['logps'][b, t], clips['adv'][b], new.mean, mean_anchor,
                      clips['means'][b, t] if use_vel else None, new.std, scale=S[t], lam=controller.value,
                      beta_pos=w_pos, beta_vel=w_vel, clip_range=clip_range, valid=clips['valid'][b], denom=denom)
@@ -375,7 +384,16 @@ while iter_num < max_iters:
 
     # ---- reward: decode and score in memory
     frames = torch.cat([decode(x) for x in latents])               # (n, F, 3, H, W) in [0, 1]
-    scores = reward_fn(frames, prompts, fps)
+    if credit == 'tvrl':  # TVRL: |d composite / d pixels| pooled onto the latent tokens (credit.py)
+        scores, g = score_and_grad(reward_fn, frames, prompts, fps, reward_weights)  # g (n, F, 3, H, W)
+        seen = sample_indices(frames.shape[1], fps, reward_fn.sample_fps) if reward_model == 'videoalign' else None
+        clips['credit'] = credit_map(g, shape, seen, credit_window, credit_granularity).to(device)  # (n, 1, F, h, w)
+        del g
+        for t in trained_steps:  # old log-probs in the same credit-weighted mean: ratio 1 at theta = theta_old
+            clips['logps'][:, t] = sde.log_prob(clips['xs'][:, t + 1], clips['means'][:, t], clips['stds'][:, t],
+                                                clips['credit'])
+    else:
+        scores = reward_fn(frames, prompts, fps)
     r_local = combine(scores, reward_weights).float().to(device)   # (n,)
     t2 = time.time()
 
@@ -392,7 +410,7 @@ while iter_num < max_iters:
     clips['valid'] = valid.flatten()[rank * n_local:(rank + 1) * n_local].float()
 
     # ---- diagnostics: gradient norm of one clip's policy loss at the first and last trained step
-    diag = {}
+    diag = {} if credit == 'none' else {'credit_peak': clips['credit'].flatten(1).amax(1).mean().item()}  # mean max weight
     if diag_every and iter_num % diag_every == 0:
         b = [0]
         for name, t in (('first', trained_steps[0]), ('last', trained_steps[-1])):
