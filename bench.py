@@ -45,7 +45,7 @@ from configurator import configure
 out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
 quick = False                   # a reduced version of everything (<= 3 min on 2 cores)
 sections = '1,2,3,4,5'          # which sections to run
-ablations = 'a,b,c,d,e'         # which parts of section 3 to run (the tables show every part already cached)
+ablations = 'a,b,c,d,e,f,g'     # which parts of section 3 to run (the tables show every part already cached)
 threads = 1                     # torch CPU threads, here and in every train.py started (2 threads on a
                                 # shared 2-core machine run ~10x slower: OpenMP spin-waits)
 eta = 0.5                       # the SPEC default exploration scale
@@ -432,6 +432,9 @@ def run_train(name, overrides, nproc=1):
     return cell('s3_' + name, run)
 
 
+RELEASED = dict(kl_update='backward', prompt_noise='fixed', median='lower')  # config/released.py's, on the toy
+
+
 def ablation_cells():
     """{part: [(label, overrides)]}; every run also gets the common budget and a seed."""
     sage = dict(sampler='sage', equalizer=True, kl_strategy='dual')
@@ -447,6 +450,13 @@ def ablation_cells():
               for m in (1e-5, acting_kl_max) for n in (1, 5, 10, 50)],
         'd': [(f'kl_max={v:g}', dict(sage, **at(v))) for v in (1e-5, 1e-3, 1e-1, 1.0)],
         'e': [('flow G=8', dict(sage, sampler='flow', group_size=8)), ('sage G=4', dict(sage))],
+        # the optimizers have no common lr scale (Muon's update RMS is ~0.2 lr): a sweep of each
+        'f': [(f'{o} lr={lr:g}', dict(sage, **({} if lr == 1e-4 else dict(learning_rate=lr)),
+                                      **({} if o == 'adamw' else dict(optimizer=o))))
+              for o, lrs in (('adamw', (3e-5, 1e-4, 3e-4)), ('muon', (1e-4, 3e-4, 1e-3))) for lr in lrs],
+        # config/released.py's cadence, seeding and median (those that apply to the toy), together and alone
+        'g': [('project defaults', dict(sage)), ('released: all three', dict(sage, **RELEASED))] +
+             [(f'{k}={v}', dict(sage, **{k: v})) for k, v in RELEASED.items()],
     }
     if quick:  # two cells: enough to exercise the subprocess path, the tables and the curves
         parts = {'a': parts['a'][0:1] + parts['a'][2:3]}
@@ -500,7 +510,9 @@ def section3():
             curves[label] = [[i['reward'] for i in r['iters']] for r in runs]
         title = {'a': '(a) sampler x equalizer, KL dual', 'b': '(b) KL strategy, sage + equalizer',
                  'c': '(c) anchor interval N (dual)', 'd': '(d) kl_max (upper clip / warm-up end of lambda_KL)',
-                 'e': '(e) more samples for the baseline: flow G=8 vs sage G=4'}[part]
+                 'e': '(e) more samples for the baseline: flow G=8 vs sage G=4',
+                 'f': '(f) optimizer: AdamW vs Muon (optimizer.py), a learning-rate sweep each',
+                 'g': "(g) the released loop's lambda_KL cadence, initial-noise seeding and equalizer median"}[part]
         md += [f'### {title}', '', table(['cell', 'seeds', 'before', 'final composite', 'VQ', 'MQ', 'TA',
                                           'manifold', 'explore', 'kl_grad'], rows), '']
         if plt and curves:

@@ -38,7 +38,7 @@ def missing_weights(path, what, err):
     return SystemExit(
         f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
         f'Download the weights first, e.g.\n'
-        f'  huggingface-cli download {HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'
+        f'  hf download {HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'
         f'and pass --model=weights/HunyuanVideo-1.5-480p_t2v (for the toy world: --model=assets/toy).')
 
 

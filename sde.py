@@ -20,6 +20,9 @@ Where this differs from the paper and why:
 - cps: the log-prob is the true Gaussian density (the CPS reference code drops the constants and
   the 1/(2 std^2) factor), the same density as every other kind.
 - the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
+- the last CPS step (s' = 0: std 0, a deterministic step) has no log-probability (logp None) and is
+  never trained; reference implementations return a finite value there (their density with its
+  std-dependent terms dropped or floored) and train that step too.
 
 Tested by: python -m pytest tests/test_sde.py
 """

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import imageio.v3 as iio
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -58,12 +59,14 @@ def check_run(out, iters):
     return rows
 
 
-def test_toy_one_process_and_exact_resume(tmp_path):
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
+def test_toy_one_process_and_exact_resume(tmp_path, optimizer):
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
-    run(SMALL + [f'--out_dir={a}', '--max_iters=4'])
+    small = SMALL + [f'--optimizer={optimizer}']  # muon: the momentum buffers come back too
+    run(small + [f'--out_dir={a}', '--max_iters=4'])
     check_run(a, 4)
-    run(SMALL + [f'--out_dir={b}', '--max_iters=2'])
-    run(SMALL + [f'--out_dir={b}', '--max_iters=4', '--init_from=resume'])
+    run(small + [f'--out_dir={b}', '--max_iters=2'])
+    run(small + [f'--out_dir={b}', '--max_iters=4', '--init_from=resume'])
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:  # bitwise: rollouts, update order and optimizer state all continue identically
@@ -76,7 +79,7 @@ def test_toy_one_process_and_exact_resume(tmp_path):
 
 def test_toy_fsdp_two_ranks(tmp_path):
     out = str(tmp_path / 'fsdp')
-    p = run(SMALL + [f'--out_dir={out}', '--max_iters=2'], torchrun=True)
+    p = run(SMALL + [f'--out_dir={out}', '--max_iters=2', '--optimizer=muon'], torchrun=True)
     check_run(out, 2)
     assert 'eval composite before' in p.stdout
 
@@ -92,7 +95,7 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
              (['--train_prompts=nope.txt'], 'not found'),
              (['--no_such_key=1'], "unknown setting 'no_such_key'"),
              (['--eta=fast'], 'eta must be float'),
-             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'huggingface-cli download')]
+             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'hf download')]
     for args, message in cases:
         p = run(SMALL + [f'--out_dir={out}'] + args, check=False)
         assert p.returncode != 0 and message in p.stdout + p.stderr, (args, p.stderr[-2000:])
