@@ -455,8 +455,10 @@ def ablation_cells():
                                       **({} if o == 'adamw' else dict(optimizer=o))))
               for o, lrs in (('adamw', (3e-5, 1e-4, 3e-4)), ('muon', (1e-4, 3e-4, 1e-3))) for lr in lrs],
         # config/released.py's cadence, seeding and median (those that apply to the toy), together and alone
+        # (median='lower' alone only scales every S_t by one constant, 0.850 on 10 steps: AdamW's and
+        # Muon's updates are invariant to that, up to eps and the KL term's tiny relative weight)
         'g': [('project defaults', dict(sage)), ('released: all three', dict(sage, **RELEASED))] +
-             [(f'{k}={v}', dict(sage, **{k: v})) for k, v in RELEASED.items()],
+             [(f'{k}={v}', dict(sage, **{k: v})) for k, v in RELEASED.items() if k != 'median'],
     }
     if quick:  # two cells: enough to exercise the subprocess path, the tables and the curves
         parts = {'a': parts['a'][0:1] + parts['a'][2:3]}

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import sde
+import toy  # plugs the toy world (its text encoder, decoder, latent shape) into model.py
 from configurator import configure
 from equalizer import scales
 from loss import denominator, grpo_loss
@@ -219,7 +220,6 @@ anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded lik
 controller = KLController(lam_max=kl_max, target=kl_target, direction=kl_direction)
 decode = load_decoder(model, device)
 if reward_model == 'toy':
-    import toy
     reward_fn, manifold_distance = toy.reward, toy.manifold_distance
 else:
     from reward import load_videoalign
