@@ -58,6 +58,8 @@ train_iters = 15                # max_iters of a section-3 run
 train_prompts_per_iter = 8      # prompts_per_iter of a section-3 run (x group_size clips)
 acting_kl_max = 0.1             # parts b and c are run again at this kl_max, where the KL acts (part d)
 budget_min = 0.0                # start no new training run after this many minutes (0: no limit)
+reverse = False                 # run section 3's cells last to first: a second bench process started so
+                                # meets the first in the middle (each skips the cells the other cached)
 cost_iters = 4                  # iterations of the section-4 timing run (the first is warm-up)
 _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --sections=1,2 stay strings
          f"{a.split('=')[0]}={a.split('=', 1)[1]!r}" if a.split('=')[0] in ('--sections', '--ablations') else a
@@ -477,7 +479,7 @@ def section3():
     todo = [(s, ov) for s in range(seeds) for k, part in parts.items() if k in ablations.split(',')
             for _, ov in part]  # seed-major
     done = {}
-    for s, ov in todo:  # a run shared by several parts (e.g. sage + dual) runs once
+    for s, ov in (todo[::-1] if reverse else todo):  # a run shared by several parts (e.g. sage + dual) runs once
         name = cell_name(ov, s)
         if name not in done:
             done[name] = run_train(name, dict(common, **ov, seed=s))
@@ -577,6 +579,54 @@ def time_passes(cfg_run):
     return dict(passes=reps, **{f't_{k}': v for k, v in out_.items()})
 
 
+OPT_WORKER = """
+import os, statistics, sys, time, json, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import toy, model as M
+from optimizer import build
+ddp = 'RANK' in os.environ
+if ddp:
+    dist.init_process_group('gloo')
+torch.set_num_threads(1)
+net = M.load_policy(toy.DIR, 'cpu', fsdp=ddp)
+params = [p for p in net.parameters() if p.requires_grad]
+res = {}
+for kind in ('adamw', 'muon'):
+    opts, t = build(net, kind, 1e-4, 0.01), []
+    for r in range(REPS):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3  # sharded like p under FSDP2
+        if ddp:
+            dist.barrier()
+        t0 = time.perf_counter()
+        for o in opts:
+            o.step()
+        t.append(time.perf_counter() - t0)
+    res[kind] = statistics.median(t[1:])  # the first step allocates the state
+if not ddp or dist.get_rank() == 0:
+    print('RESULT ' + json.dumps(res))
+if ddp:
+    dist.destroy_process_group()
+"""
+
+
+def optimizer_step_cost():
+    """Seconds of one optimizer step (AdamW, Muon + AdamW) on the toy policy: 1 process, 2 FSDP ranks."""
+    path = os.path.join(out, 'runs', 'opt_worker.py')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+        f.write(OPT_WORKER.replace('REPS', str(3 if quick else 11)))
+    res = {}
+    for nproc in (1, 2):
+        head = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                                                    '--nproc_per_node=2']
+        p = subprocess.run(head + [path], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+        if p.returncode:
+            raise RuntimeError(f'optimizer step timing failed:\n{p.stderr[-3000:]}')
+        res[f'{nproc}'] = json.loads([l for l in p.stdout.splitlines() if l.startswith('RESULT ')][-1][7:])
+    return res
+
+
 def section4():
     ov = dict(max_iters=cost_iters, eval_every=0, save_every=0, eval_videos=0, diag_every=0)
     if quick:
@@ -601,7 +651,8 @@ def section4():
         m = res['1 process']
         res['overhead'] = dict(ideal=ideal, ratio=m['t_iter'] / ideal, rollout=m['t_rollout'] / passes['t_roll'],
                                update=m['t_update'] / (passes['t_anchor'] + passes['t_fb']))
-    R['4'] = dict(runs=res, passes=passes, config=cfg_run)
+    opt = cell('s4_optimizer_step', optimizer_step_cost)
+    R['4'] = dict(runs=res, passes=passes, config=cfg_run, optimizer_step=opt)
     md = ['## 4. Cost of one toy GRPO iteration',
           f'`train.py config/toy.py` ({cfg_run["prompts_per_iter"]} prompts x G={cfg_run["group_size"]}, '
           f'{cfg_run["num_steps"]} steps, cfg {cfg_run["cfg"]}, KL dual, diagnostics off), mean over iterations '
@@ -618,6 +669,12 @@ def section4():
                f'{passes["passes"]["fb"]} forward+backwards ({passes["t_fb"]:.2f} s): {ideal:.2f} s in all. '
                f'**Overhead ratio = iteration / passes = {o["ratio"]:.3f}** (target <= 1.10; rollout '
                f'{o["rollout"]:.3f}, update {o["update"]:.3f}).', '']
+    n2d = sum(p.numel() for p in policy().parameters() if p.requires_grad and p.ndim == 2)
+    md += [f'One optimizer step on the toy policy ({n2d / 1e6:.2f} M weights in 2-D matrices; random gradients; median '
+           'of 10 steps after the first, seconds per rank): Muon gathers every 2-D gradient (one all-gather per '
+           'matrix) and orthogonalises the whole matrix on every rank (optimizer.py).', '',
+           table(['optimizer', '1 process s', 'FSDP 2 ranks s (per rank)'],
+                 [[k, f'{opt["1"][k]:.4f}', f'{opt["2"][k]:.4f}'] for k in ('adamw', 'muon')]), '']
     MD.extend(md)
 
 
@@ -657,7 +714,13 @@ def section5():
         mem['total'] = sum(mem.values())
         res[f'{H}x{W}'] = dict(tokens=tok, S=S, F_fwd=Fw, F_lin=f_lin, F_att=f_att, n_fwd=n_fwd, total=total,
                                per_gpu=total / gpus, hours_at_400tflops=total / gpus / 400e12 / 3600, mem=mem)
-    R['5'] = dict(P=P, P_block=P_blk, P_img=P_img, P_txt=P_txt, blocks=L, hidden=h, res=res)
+    # Muon (optimizer.py) per optimizer step and rank: an all-gather of every 2-D gradient in fp32 and
+    # 5 Newton-Schulz iterations on each whole (m, n) matrix, m <= n: 5 (4 m^2 n + 2 m^3) FLOPs, on every rank
+    mats = [sorted(p.shape) for p in net.parameters() if p.ndim == 2]
+    P_2d = sum(m * n for m, n in mats)
+    muon = dict(P_2d=P_2d, gather_GB=4 * P_2d * (gpus - 1) / gpus / 1e9, ns_TFLOP=sum(5 * (4 * m * m * n + 2 * m ** 3)
+                for m, n in mats) / 1e12, state_GB_per_gpu=(4 * P_2d + 8 * (P - P_2d)) / gpus / 1e9)
+    R['5'] = dict(P=P, P_block=P_blk, P_img=P_img, P_txt=P_txt, blocks=L, hidden=h, res=res, muon=muon)
     md = ['## 5. HunyuanVideo 1.5 on paper (8 GPUs, 81 frames)',
           f'Parameters (diffusers class defaults = the 480p model, counted on the meta device): P = {P / 1e9:.3f} B, '
           f'{L} blocks of {P_blk / 1e6:.1f} M ({P_img / 1e6:.1f} M video stream, {P_txt / 1e6:.1f} M text stream), '
@@ -681,6 +744,13 @@ def section5():
         ['iteration (PFLOP)', *[f'{v["total"] / 1e15:.0f}' for v in res.values()]],
         ['per GPU (PFLOP)', *[f'{v["per_gpu"] / 1e15:.0f}' for v in res.values()]],
         ['hours/iter at 400 TFLOP/s per GPU', *[f'{v["hours_at_400tflops"]:.2f}' for v in res.values()]]]), '']
+    md += [f'Muon (the released optimizer, optimizer.py) per optimizer step and GPU: {muon["P_2d"] / 1e9:.2f} B weights '
+           f'in 2-D matrices; gathering each whole gradient receives {muon["gather_GB"]:.1f} GB (fp32; FSDP2\'s own '
+           f'weight all-gather moves 2 B/weight in bf16 per forward); Newton-Schulz on every whole matrix costs '
+           f'{muon["ns_TFLOP"]:.0f} TFLOP, repeated on every rank (not split across ranks), '
+           f'{muon["ns_TFLOP"] / 400:.2f} s at 400 TFLOP/s: small next to an iteration. Optimizer state '
+           f'{muon["state_GB_per_gpu"]:.2f} GB per GPU (Muon momentum 4 B + AdamW 8 B per weight, /8) instead of '
+           f'AdamW\'s {8 * P / gpus / 1e9:.2f} GB.', '']
     md += ['A GPU run should confirm: peak memory per GPU (torch.cuda.max_memory_allocated, train.py\'s '
            'peak_mem_gb) against the total above, the measured time of one forward of one clip-branch against '
            'F / achieved FLOP/s, and t_update / t_rollout close to 5 (4F + F anchor vs F).', '']

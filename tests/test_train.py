@@ -131,7 +131,10 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
             assert v.shape[1] >= toy.HEIGHT and v.shape[2] >= toy.WIDTH
     sheet = iio.imread(os.path.join(out, 'contact_sheet.png'))
     zoom = max(1, 96 // toy.HEIGHT)  # small frames are enlarged on the sheet
-    assert sheet.shape[0] == 2 * 2 * (zoom * toy.HEIGHT + 2) and sheet.shape[1] == toy.FRAMES * (zoom * toy.WIDTH + 2)
+    label_w, title_h = 64, 14  # sample.py's row-name column and prompt line, in pixels
+    assert sheet.shape[0] == 2 * (title_h + 2 * (zoom * toy.HEIGHT + 2))
+    assert sheet.shape[1] == label_w + toy.FRAMES * (zoom * toy.WIDTH + 2)
+    assert (sheet[:title_h, :label_w] < 128).any() and (sheet[title_h:, :label_w] < 128).any()  # text drawn
     assert 'contact sheet' in p.stdout
 
 
