@@ -505,7 +505,7 @@ def section3():
             explore = [mean_std([i['group_std'] for i in r['iters']])[0] for r in runs]
             klg = [i['kl_grad_ratio'] for r in runs for i in r['iters'] if 'kl_grad_ratio' in i]
             lam = [r['iters'][-1]['lambda_kl'] for r in runs]
-            res[label] = dict(n=len(runs), composite=fin('composite'), VQ=fin('VQ'), MQ=fin('MQ'), TA=fin('TA'),
+            res[label] = dict(part=part, n=len(runs), composite=fin('composite'), VQ=fin('VQ'), MQ=fin('MQ'), TA=fin('TA'),
                               manifold=fin('manifold'), before=before, explore=explore, kl_grad_ratio=klg,
                               lambda_final=lam)
             rows.append([label, len(runs), f4(mean_std(before)[0]), pm(fin('composite')), pm(fin('VQ')),
@@ -786,4 +786,66 @@ with open(os.path.join(out, 'README.md'), 'w') as f:
     f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
 with open(os.path.join(out, 'bench.json'), 'w') as f:
     json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
+
+
+def md_table(lines, header, nth=0):
+    """The nth Markdown table of lines whose header row starts with `header`."""
+    starts = [i for i, l in enumerate(lines) if l.startswith(header)]
+    if len(starts) <= nth:
+        return []
+    i, j = starts[nth], starts[nth]
+    while j < len(lines) and lines[j].startswith('|'):
+        j += 1
+    return lines[i:j] + ['']
+
+
+def readme_block():
+    """The README's numbers, from this run's results: written between its bench:results markers."""
+    get = lambda k: by_num.get(k, [])
+    out_ = ['<!-- bench:results: written by `python bench.py` from results/; edit bench.py, not this block -->', '']
+    if get('2'):
+        out_ += ['**Fig. 4** (bench section 2): measured ||d logp_t / d theta|| per step vs the proxy N_t; max/min '
+                 'over steps of the per-step gradient norm without and with the equalizer\'s S_t (toy schedule; '
+                 'sage@spec: the paper\'s 20 steps).', ''] + md_table(get('2'), '| kind | log-log slope')
+    if get('1'):
+        out_ += ['**Samplers** (bench section 1): toy rollouts at eta 0.5, each paired with the ODE sample of '
+                 'the same prompt and initial noise (Δmanifold = their manifold-distance difference), then at '
+                 'exploration matched to sage\'s SDE std:', ''] + md_table(get('1'), '| sampler | eta | manifold') + \
+                md_table(get('1'), '| sampler | eta | manifold', 1) + [l for l in get('1') if l.startswith('Manifold distance minus')] + ['']
+    r3 = R.get('3') or {}
+    if r3:
+        f3 = lambda xs: f'{mean_std(xs)[0]:.3f}'
+        r3 = {k: v for k, v in r3.items() if v.get('part') in ('a', 'd', 'e', 'f', 'g')}  # (b), (c): results/README.md
+        out_ += ['**Training ablations** (bench section 3, parts (a), (d)-(g); all parts in results/README.md): 3 seeds each, 15 '
+                 'iterations of 8 prompts x G=4 of config/toy.py; held-out composite before training '
+                 f'{f3([b for v in r3.values() for b in v["before"]])}; final = mean ± std over seeds.', '',
+                 table(['part', 'cell', 'seeds', 'final composite', 'VQ', 'TA', 'manifold', 'kl_grad'],
+                       [[v.get('part', ''), k, v['n'], pm(v['composite']), f3(v['VQ']), f3(v['TA']), f3(v['manifold']),
+                         f'{mean_std(v["kl_grad_ratio"])[0]:.0e}' if v['kl_grad_ratio'] else '-'] for k, v in r3.items()]), '']
+    if get('4'):
+        out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
+                [l for l in get('4') if l.startswith('The transformer passes')] + [''] + md_table(get('4'), '| optimizer |')
+    r5 = R.get('5') or {}
+    if r5:
+        res5 = r5['res']
+        out_ += ['**HunyuanVideo 1.5 on paper** (bench section 5; 8 GPUs, 81 frames, AdamW): ' + '; '.join(
+            f'{k}: {v["mem"]["total"]:.0f} GB per GPU, {v["F_fwd"] / 1e12:.0f} TFLOP per forward, '
+            f'{v["total"] / 1e18:.1f} EFLOP and {v["hours_at_400tflops"]:.2f} h per iteration at 400 TFLOP/s per GPU'
+            for k, v in res5.items()) + '. Not yet confirmed on a GPU.', '']
+        if 'muon' in r5:
+            out_ += [l for l in get('5') if l.startswith('Muon (the released optimizer')] + ['']
+    out_ += ['<!-- /bench:results -->']
+    return out_
+
+
+readme = 'README.md'
+if not quick and out == 'results' and os.path.exists(readme):
+    text = open(readme).read()
+    a, b = text.find('<!-- bench:results'), text.find('<!-- /bench:results -->')
+    if a >= 0 and b > a:
+        text = text[:a] + '\n'.join(readme_block()) + text[b + len('<!-- /bench:results -->'):]
+        with open(readme + '.tmp', 'w') as f:
+            f.write(text)
+        os.replace(readme + '.tmp', readme)
+        print('README.md: results block rewritten', flush=True)
 print(f'bench done in {time.time() - T_START:.0f}s: {out}/README.md', flush=True)
