@@ -10,14 +10,21 @@ installed); every finished cell is cached as results/cells/<name>.json and skipp
     python bench.py --sections=1,2,5         # some sections only
     python bench.py --ablations=a,b --seeds=5   # section 3, part of it, more seeds
     python bench.py --budget_min=40          # start no new training run after 40 minutes
+    python bench.py --sections=3 --ablations=f --reverse=True   # a second process, meeting the first halfway
+
+Writes README.md's results block (between its bench:results markers) from the same numbers, so the
+README never quotes a figure by hand.
 
 Sections (the numbers of the README's tables):
  1. samplers without training: per-step std of every kind in three treatments of the s = 1
     singularity (pure arithmetic from sde.variance), and SDE rollouts vs ODE samples of the same
     prompts and initial noise on the toy base model, at eta 0.5 and at matched exploration.
  2. Fig. 4: measured ||d logp_t / d theta|| per step vs the proxy N_t of equalizer.py.
- 3. training ablations: subprocesses of train.py config/toy.py, several seeds each.
- 4. cost of one toy iteration vs the transformer passes it must do; peak memory, 1 vs 2 ranks.
+ 3. training ablations: subprocesses of train.py config/toy.py, several seeds each: (a) sampler x
+    equalizer, (b) KL strategy, (c) anchor interval, (d) kl_max, (e) flow G=8, (f) AdamW vs Muon
+    (an lr sweep each), (g) the released lambda_KL cadence, initial-noise seeding and median.
+ 4. cost of one toy iteration vs the transformer passes it must do; peak memory, 1 vs 2 ranks;
+    one optimizer step (AdamW, Muon) per rank.
  5. HunyuanVideo 1.5 on 8 GPUs on paper: memory per GPU and FLOPs per GRPO iteration.
 
 Where this differs from the issue's wording, and why: the overhead ratio of section 4 times the
@@ -58,6 +65,8 @@ train_iters = 15                # max_iters of a section-3 run
 train_prompts_per_iter = 8      # prompts_per_iter of a section-3 run (x group_size clips)
 acting_kl_max = 0.1             # parts b and c are run again at this kl_max, where the KL acts (part d)
 budget_min = 0.0                # start no new training run after this many minutes (0: no limit)
+first_seed = 0                  # section 3 runs seeds first_seed..seeds-1 (another process can take the others)
+only = ''                       # run only the section-3 cells whose label contains this text ('': all)
 reverse = False                 # run section 3's cells last to first: a second bench process started so
                                 # meets the first in the middle (each skips the cells the other cached)
 cost_iters = 4                  # iterations of the section-4 timing run (the first is warm-up)
@@ -476,8 +485,8 @@ def section3():
     parts = ablation_cells()  # all are tabled from their cached cells; those in `ablations` are run first
     common = dict(max_iters=train_iters, prompts_per_iter=train_prompts_per_iter, eval_every=0, save_every=0,
                   eval_videos=0)
-    todo = [(s, ov) for s in range(seeds) for k, part in parts.items() if k in ablations.split(',')
-            for _, ov in part]  # seed-major
+    todo = [(s, ov) for s in range(first_seed, seeds) for k, part in parts.items() if k in ablations.split(',')
+            for label, ov in part if only in label]  # seed-major
     done = {}
     for s, ov in (todo[::-1] if reverse else todo):  # a run shared by several parts (e.g. sage + dual) runs once
         name = cell_name(ov, s)
