@@ -442,8 +442,8 @@ while iter_num < max_iters:
                 stats['kl_vel'] += terms.kl_vel.sum().item() / (n_local * n_train)
                 stats['clipfrac'] += ((terms.ratio - 1).abs() > clip_range).float().sum().item() / (n_local * n_train)
                 kl_chunk.append((w_pos * terms.kl_pos + w_vel * terms.kl_vel).mean().item())
-                if kl_update == 'backward':  # the released cadence: this rank's KL of this backward
-                    controller.update(kl_chunk[-1])
+                if kl_update == 'backward':  # the released cadence: this rank's KL of this backward, so
+                    controller.update(kl_chunk[-1])  # ranks' lambdas differ (a checkpoint keeps rank 0's)
                 bar.update(len(b))
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         stats['grad_norm'] += float(gn.full_tensor() if isinstance(gn, DTensor) else gn) / len(chunks)
