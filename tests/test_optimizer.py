@@ -2,8 +2,8 @@
 
 - the same two optimizer steps on 2 FSDP2 ranks (torchrun, gloo) and in one process give the same
   weights to float tolerance, for 'muon' and 'adamw' (tests/fsdp_muon_worker.py);
-- the check has teeth: torch.optim.Muon as it ships, which orthogonalises each rank's shard of a
-  matrix on its own, fails it;
+- the check has teeth: torch.optim.Muon as it ships (Newton-Schulz through DTensor's op dispatch on
+  the sharded momentum) fails it;
 - the split: 2-D matrices to Muon with the released lr rule, everything else to AdamW.
 
     python -m pytest tests/test_optimizer.py
