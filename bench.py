@@ -660,7 +660,7 @@ def section4():
         m = res['1 process']
         res['overhead'] = dict(ideal=ideal, ratio=m['t_iter'] / ideal, rollout=m['t_rollout'] / passes['t_roll'],
                                update=m['t_update'] / (passes['t_anchor'] + passes['t_fb']))
-    opt = cell('s4_optimizer_step', optimizer_step_cost)
+    opt = None if quick else cell('s4_optimizer_step', optimizer_step_cost)  # two more processes: not in --quick
     R['4'] = dict(runs=res, passes=passes, config=cfg_run, optimizer_step=opt)
     md = ['## 4. Cost of one toy GRPO iteration',
           f'`train.py config/toy.py` ({cfg_run["prompts_per_iter"]} prompts x G={cfg_run["group_size"]}, '
@@ -679,7 +679,7 @@ def section4():
                f'**Overhead ratio = iteration / passes = {o["ratio"]:.3f}** (target <= 1.10; rollout '
                f'{o["rollout"]:.3f}, update {o["update"]:.3f}).', '']
     n2d = sum(p.numel() for p in policy().parameters() if p.requires_grad and p.ndim == 2)
-    md += [f'One optimizer step on the toy policy ({n2d / 1e6:.2f} M weights in 2-D matrices; random gradients; median '
+    md += [] if opt is None else [f'One optimizer step on the toy policy ({n2d / 1e6:.2f} M weights in 2-D matrices; random gradients; median '
            'of 10 steps after the first, seconds per rank): Muon gathers every 2-D gradient (one all-gather per '
            'matrix) and orthogonalises the whole matrix on every rank (optimizer.py).', '',
            table(['optimizer', '1 process s', 'FSDP 2 ranks s (per rank)'],
