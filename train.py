@@ -37,7 +37,7 @@ from tqdm import tqdm
 import sde
 import toy  # plugs the toy world (its text encoder, decoder, latent shape) into model.py
 from configurator import configure
-from equalizer import scales
+from equalizer import MEDIANS, scales
 from loss import denominator, grpo_loss
 from optimizer import build as build_optimizers
 from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
@@ -114,8 +114,8 @@ config = configure(globals())
 KINDS, STRATEGIES = ('sage', 'flow', 'dance', 'cps'), ('none', 'fixed', 'stepwise', 'moving', 'dual')
 if sampler not in KINDS or kl_strategy not in STRATEGIES:
     raise SystemExit(f'sampler must be one of {KINDS}, kl_strategy one of {STRATEGIES}')
-if kl_update not in ('step', 'backward') or prompt_noise not in ('fresh', 'fixed'):
-    raise SystemExit("kl_update must be 'step' or 'backward', prompt_noise 'fresh' or 'fixed'")
+if kl_update not in ('step', 'backward') or prompt_noise not in ('fresh', 'fixed') or median not in MEDIANS:
+    raise SystemExit(f"kl_update must be 'step' or 'backward', prompt_noise 'fresh' or 'fixed', median one of {MEDIANS}")
 if group_size < 2:
     raise SystemExit(f'group_size must be at least 2 (GRPO compares rollouts of a prompt), got {group_size}')
 
