@@ -5,7 +5,7 @@ Writes results/bench.json, results/README.md (the tables) and results/*.png (if 
 installed); every finished cell is cached as results/cells/<name>.json and skipped on a rerun
 (a cell whose toy base model has changed since is rerun).
 
-    python bench.py                          # everything; section 3 trains 3 seeds x 39 configs (~3.5 h alone)
+    python bench.py                          # everything; section 3 trains 3 seeds x ~40 distinct configs (hours)
     python bench.py --quick                  # a reduced version, <= 3 min on 2 cores (tests/test_bench.py)
     python bench.py --sections=1,2,5         # some sections only
     python bench.py --ablations=a,b --seeds=5   # section 3, part of it, more seeds
