@@ -678,7 +678,7 @@ def section4():
                f'{passes["passes"]["fb"]} forward+backwards ({passes["t_fb"]:.2f} s): {ideal:.2f} s in all. '
                f'**Overhead ratio = iteration / passes = {o["ratio"]:.3f}** (target <= 1.10; rollout '
                f'{o["rollout"]:.3f}, update {o["update"]:.3f}).', '']
-    n2d = sum(p.numel() for p in policy().parameters() if p.requires_grad and p.ndim == 2)
+    n2d = opt and sum(p.numel() for p in policy().parameters() if p.requires_grad and p.ndim == 2)
     md += [] if opt is None else [f'One optimizer step on the toy policy ({n2d / 1e6:.2f} M weights in 2-D matrices; random gradients; median '
            'of 10 steps after the first, seconds per rank): Muon gathers every 2-D gradient (one all-gather per '
            'matrix) and orthogonalises the whole matrix on every rank (optimizer.py).', '',
@@ -825,7 +825,7 @@ def readme_block():
     if r3:
         f3 = lambda xs: f'{mean_std(xs)[0]:.3f}'
         r3 = {k: v for k, v in r3.items() if v.get('part') in ('a', 'd', 'e', 'f', 'g')}  # (b), (c): results/README.md
-        out_ += ['**Training ablations** (bench section 3, parts (a), (d)-(g); all parts in results/README.md): 3 seeds each, 15 '
+        out_ += ['**Training ablations** (bench section 3, parts (a), (d)-(g); all parts in results/README.md): 3 seeds each unless the seeds column says otherwise, 15 '
                  'iterations of 8 prompts x G=4 of config/toy.py; held-out composite before training '
                  f'{f3([b for v in r3.values() for b in v["before"]])}; final = mean ± std over seeds.', '',
                  table(['part', 'cell', 'seeds', 'final composite', 'VQ', 'TA', 'manifold', 'kl_grad'],
