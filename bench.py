@@ -5,19 +5,26 @@ Writes results/bench.json, results/README.md (the tables) and results/*.png (if 
 installed); every finished cell is cached as results/cells/<name>.json and skipped on a rerun
 (a cell whose toy base model has changed since is rerun).
 
-    python bench.py                          # everything; section 3 trains 3 seeds x 30 configs (~2.5 h)
+    python bench.py                          # everything; section 3 trains 3 seeds x ~40 distinct configs (hours)
     python bench.py --quick                  # a reduced version, <= 3 min on 2 cores (tests/test_bench.py)
     python bench.py --sections=1,2,5         # some sections only
     python bench.py --ablations=a,b --seeds=5   # section 3, part of it, more seeds
     python bench.py --budget_min=40          # start no new training run after 40 minutes
+    python bench.py --sections=3 --ablations=f --reverse=True   # a second process, meeting the first halfway
+
+Writes README.md's results block (between its bench:results markers) from the same numbers, so the
+README never quotes a figure by hand.
 
 Sections (the numbers of the README's tables):
  1. samplers without training: per-step std of every kind in three treatments of the s = 1
     singularity (pure arithmetic from sde.variance), and SDE rollouts vs ODE samples of the same
     prompts and initial noise on the toy base model, at eta 0.5 and at matched exploration.
  2. Fig. 4: measured ||d logp_t / d theta|| per step vs the proxy N_t of equalizer.py.
- 3. training ablations: subprocesses of train.py config/toy.py, several seeds each.
- 4. cost of one toy iteration vs the transformer passes it must do; peak memory, 1 vs 2 ranks.
+ 3. training ablations: subprocesses of train.py config/toy.py, several seeds each: (a) sampler x
+    equalizer, (b) KL strategy, (c) anchor interval, (d) kl_max, (e) flow G=8, (f) AdamW vs Muon
+    (an lr sweep each), (g) the released lambda_KL cadence, initial-noise seeding and median.
+ 4. cost of one toy iteration vs the transformer passes it must do; peak memory, 1 vs 2 ranks;
+    one optimizer step (AdamW, Muon) per rank.
  5. HunyuanVideo 1.5 on 8 GPUs on paper: memory per GPU and FLOPs per GRPO iteration.
 
 Where this differs from the issue's wording, and why: the overhead ratio of section 4 times the
@@ -45,8 +52,7 @@ from configurator import configure
 out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
 quick = False                   # a reduced version of everything (<= 3 min on 2 cores)
 sections = '1,2,3,4,5'          # which sections to run
-ablations = 'a,b,c,d,e'         # which parts of section 3 to run (the tables show every part already cached;
-                                # 'tvrl': token-level credit, run on request: --ablations=tvrl)
+ablations = 'a,b,c,d,e,f,g,h'   # which parts of section 3 to run (the tables show every part already cached)
 threads = 1                     # torch CPU threads, here and in every train.py started (2 threads on a
                                 # shared 2-core machine run ~10x slower: OpenMP spin-waits)
 eta = 0.5                       # the SPEC default exploration scale
@@ -59,6 +65,10 @@ train_iters = 15                # max_iters of a section-3 run
 train_prompts_per_iter = 8      # prompts_per_iter of a section-3 run (x group_size clips)
 acting_kl_max = 0.1             # parts b and c are run again at this kl_max, where the KL acts (part d)
 budget_min = 0.0                # start no new training run after this many minutes (0: no limit)
+first_seed = 0                  # section 3 runs seeds first_seed..seeds-1 (another process can take the others)
+only = ''                       # run only the section-3 cells whose label contains this text ('': all)
+reverse = False                 # run section 3's cells last to first: a second bench process started so
+                                # meets the first in the middle (each skips the cells the other cached)
 cost_iters = 4                  # iterations of the section-4 timing run (the first is warm-up)
 _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --sections=1,2 stay strings
          f"{a.split('=')[0]}={a.split('=', 1)[1]!r}" if a.split('=')[0] in ('--sections', '--ablations') else a
@@ -433,6 +443,9 @@ def run_train(name, overrides, nproc=1):
     return cell('s3_' + name, run)
 
 
+RELEASED = dict(kl_update='backward', prompt_noise='fixed', median='lower')  # config/released.py's, on the toy
+
+
 def ablation_cells():
     """{part: [(label, overrides)]}; every run also gets the common budget and a seed."""
     sage = dict(sampler='sage', equalizer=True, kl_strategy='dual')
@@ -448,8 +461,17 @@ def ablation_cells():
               for m in (1e-5, acting_kl_max) for n in (1, 5, 10, 50)],
         'd': [(f'kl_max={v:g}', dict(sage, **at(v))) for v in (1e-5, 1e-3, 1e-1, 1.0)],
         'e': [('flow G=8', dict(sage, sampler='flow', group_size=8)), ('sage G=4', dict(sage))],
-        'tvrl': [('credit none', dict(sage)), ('credit tvrl (window)', dict(sage, credit='tvrl')),  # credit.py
-                 ('credit tvrl (frame)', dict(sage, credit='tvrl', credit_granularity='frame'))],
+        # the optimizers have no common lr scale (Muon's update RMS is ~0.2 lr): a sweep of each
+        'f': [(f'{o} lr={lr:g}', dict(sage, **({} if lr == 1e-4 else dict(learning_rate=lr)),
+                                      **({} if o == 'adamw' else dict(optimizer=o))))
+              for o, lrs in (('adamw', (3e-5, 1e-4, 3e-4)), ('muon', (1e-4, 3e-4, 1e-3))) for lr in lrs],
+        # config/released.py's cadence, seeding and median (those that apply to the toy), together and alone
+        # (median='lower' alone only scales every S_t by one constant, 0.850 on 10 steps: AdamW's and
+        # Muon's updates are invariant to that, up to eps and the KL term's tiny relative weight)
+        'g': [('project defaults', dict(sage)), ('released: all three', dict(sage, **RELEASED))] +
+             [(f'{k}={v}', dict(sage, **{k: v})) for k, v in RELEASED.items() if k != 'median'],
+        'h': [('credit none', dict(sage)), ('credit tvrl (window)', dict(sage, credit='tvrl')),  # credit.py
+              ('credit tvrl (frame)', dict(sage, credit='tvrl', credit_granularity='frame'))],
     }
     if quick:  # two cells: enough to exercise the subprocess path, the tables and the curves
         parts = {'a': parts['a'][0:1] + parts['a'][2:3]}
@@ -465,10 +487,10 @@ def section3():
     parts = ablation_cells()  # all are tabled from their cached cells; those in `ablations` are run first
     common = dict(max_iters=train_iters, prompts_per_iter=train_prompts_per_iter, eval_every=0, save_every=0,
                   eval_videos=0)
-    todo = [(s, ov) for s in range(seeds) for k, part in parts.items() if k in ablations.split(',')
-            for _, ov in part]  # seed-major
+    todo = [(s, ov) for s in range(first_seed, seeds) for k, part in parts.items() if k in ablations.split(',')
+            for label, ov in part if only in label]  # seed-major
     done = {}
-    for s, ov in todo:  # a run shared by several parts (e.g. sage + dual) runs once
+    for s, ov in (todo[::-1] if reverse else todo):  # a run shared by several parts (e.g. sage + dual) runs once
         name = cell_name(ov, s)
         if name not in done:
             done[name] = run_train(name, dict(common, **ov, seed=s))
@@ -494,7 +516,7 @@ def section3():
             explore = [mean_std([i['group_std'] for i in r['iters']])[0] for r in runs]
             klg = [i['kl_grad_ratio'] for r in runs for i in r['iters'] if 'kl_grad_ratio' in i]
             lam = [r['iters'][-1]['lambda_kl'] for r in runs]
-            res[label] = dict(n=len(runs), composite=fin('composite'), VQ=fin('VQ'), MQ=fin('MQ'), TA=fin('TA'),
+            res[label] = dict(part=part, n=len(runs), composite=fin('composite'), VQ=fin('VQ'), MQ=fin('MQ'), TA=fin('TA'),
                               manifold=fin('manifold'), before=before, explore=explore, kl_grad_ratio=klg,
                               lambda_final=lam)
             rows.append([label, len(runs), f4(mean_std(before)[0]), pm(fin('composite')), pm(fin('VQ')),
@@ -504,7 +526,9 @@ def section3():
         title = {'a': '(a) sampler x equalizer, KL dual', 'b': '(b) KL strategy, sage + equalizer',
                  'c': '(c) anchor interval N (dual)', 'd': '(d) kl_max (upper clip / warm-up end of lambda_KL)',
                  'e': '(e) more samples for the baseline: flow G=8 vs sage G=4',
-                 'tvrl': '(g) token-level credit (TVRL, credit.py), sage + equalizer + dual KL'}[part]
+                 'f': '(f) optimizer: AdamW vs Muon (optimizer.py), a learning-rate sweep each',
+                 'g': "(g) the released loop's lambda_KL cadence, initial-noise seeding and equalizer median",
+                 'h': '(h) token-level credit (TVRL, credit.py), sage + equalizer + dual KL'}[part]
         md += [f'### {title}', '', table(['cell', 'seeds', 'before', 'final composite', 'VQ', 'MQ', 'TA',
                                           'manifold', 'explore', 'kl_grad'], rows), '']
         if plt and curves:
@@ -567,6 +591,54 @@ def time_passes(cfg_run):
     return dict(passes=reps, **{f't_{k}': v for k, v in out_.items()})
 
 
+OPT_WORKER = """
+import os, statistics, sys, time, json, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import toy, model as M
+from optimizer import build
+ddp = 'RANK' in os.environ
+if ddp:
+    dist.init_process_group('gloo')
+torch.set_num_threads(1)
+net = M.load_policy(toy.DIR, 'cpu', fsdp=ddp)
+params = [p for p in net.parameters() if p.requires_grad]
+res = {}
+for kind in ('adamw', 'muon'):
+    opts, t = build(net, kind, 1e-4, 0.01), []
+    for r in range(REPS):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3  # sharded like p under FSDP2
+        if ddp:
+            dist.barrier()
+        t0 = time.perf_counter()
+        for o in opts:
+            o.step()
+        t.append(time.perf_counter() - t0)
+    res[kind] = statistics.median(t[1:])  # the first step allocates the state
+if not ddp or dist.get_rank() == 0:
+    print('RESULT ' + json.dumps(res))
+if ddp:
+    dist.destroy_process_group()
+"""
+
+
+def optimizer_step_cost():
+    """Seconds of one optimizer step (AdamW, Muon + AdamW) on the toy policy: 1 process, 2 FSDP ranks."""
+    path = os.path.join(out, 'runs', 'opt_worker.py')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+        f.write(OPT_WORKER.replace('REPS', str(3 if quick else 11)))
+    res = {}
+    for nproc in (1, 2):
+        head = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                                                    '--nproc_per_node=2']
+        p = subprocess.run(head + [path], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+        if p.returncode:
+            raise RuntimeError(f'optimizer step timing failed:\n{p.stderr[-3000:]}')
+        res[f'{nproc}'] = json.loads([l for l in p.stdout.splitlines() if l.startswith('RESULT ')][-1][7:])
+    return res
+
+
 def section4():
     ov = dict(max_iters=cost_iters, eval_every=0, save_every=0, eval_videos=0, diag_every=0)
     if quick:
@@ -591,7 +663,8 @@ def section4():
         m = res['1 process']
         res['overhead'] = dict(ideal=ideal, ratio=m['t_iter'] / ideal, rollout=m['t_rollout'] / passes['t_roll'],
                                update=m['t_update'] / (passes['t_anchor'] + passes['t_fb']))
-    R['4'] = dict(runs=res, passes=passes, config=cfg_run)
+    opt = None if quick else cell('s4_optimizer_step', optimizer_step_cost)  # two more processes: not in --quick
+    R['4'] = dict(runs=res, passes=passes, config=cfg_run, optimizer_step=opt)
     md = ['## 4. Cost of one toy GRPO iteration',
           f'`train.py config/toy.py` ({cfg_run["prompts_per_iter"]} prompts x G={cfg_run["group_size"]}, '
           f'{cfg_run["num_steps"]} steps, cfg {cfg_run["cfg"]}, KL dual, diagnostics off), mean over iterations '
@@ -608,6 +681,12 @@ def section4():
                f'{passes["passes"]["fb"]} forward+backwards ({passes["t_fb"]:.2f} s): {ideal:.2f} s in all. '
                f'**Overhead ratio = iteration / passes = {o["ratio"]:.3f}** (target <= 1.10; rollout '
                f'{o["rollout"]:.3f}, update {o["update"]:.3f}).', '']
+    n2d = opt and sum(p.numel() for p in policy().parameters() if p.requires_grad and p.ndim == 2)
+    md += [] if opt is None else [f'One optimizer step on the toy policy ({n2d / 1e6:.2f} M weights in 2-D matrices; random gradients; median '
+           'of 10 steps after the first, seconds per rank): Muon gathers every 2-D gradient (one all-gather per '
+           'matrix) and orthogonalises the whole matrix on every rank (optimizer.py).', '',
+           table(['optimizer', '1 process s', 'FSDP 2 ranks s (per rank)'],
+                 [[k, f'{opt["1"][k]:.4f}', f'{opt["2"][k]:.4f}'] for k in ('adamw', 'muon')]), '']
     MD.extend(md)
 
 
@@ -647,7 +726,13 @@ def section5():
         mem['total'] = sum(mem.values())
         res[f'{H}x{W}'] = dict(tokens=tok, S=S, F_fwd=Fw, F_lin=f_lin, F_att=f_att, n_fwd=n_fwd, total=total,
                                per_gpu=total / gpus, hours_at_400tflops=total / gpus / 400e12 / 3600, mem=mem)
-    R['5'] = dict(P=P, P_block=P_blk, P_img=P_img, P_txt=P_txt, blocks=L, hidden=h, res=res)
+    # Muon (optimizer.py) per optimizer step and rank: an all-gather of every 2-D gradient in fp32 and
+    # 5 Newton-Schulz iterations on each whole (m, n) matrix, m <= n: 5 (4 m^2 n + 2 m^3) FLOPs, on every rank
+    mats = [sorted(p.shape) for p in net.parameters() if p.ndim == 2]
+    P_2d = sum(m * n for m, n in mats)
+    muon = dict(P_2d=P_2d, gather_GB=4 * P_2d * (gpus - 1) / gpus / 1e9, ns_TFLOP=sum(5 * (4 * m * m * n + 2 * m ** 3)
+                for m, n in mats) / 1e12, state_GB_per_gpu=(4 * P_2d + 8 * (P - P_2d)) / gpus / 1e9)
+    R['5'] = dict(P=P, P_block=P_blk, P_img=P_img, P_txt=P_txt, blocks=L, hidden=h, res=res, muon=muon)
     md = ['## 5. HunyuanVideo 1.5 on paper (8 GPUs, 81 frames)',
           f'Parameters (diffusers class defaults = the 480p model, counted on the meta device): P = {P / 1e9:.3f} B, '
           f'{L} blocks of {P_blk / 1e6:.1f} M ({P_img / 1e6:.1f} M video stream, {P_txt / 1e6:.1f} M text stream), '
@@ -671,6 +756,13 @@ def section5():
         ['iteration (PFLOP)', *[f'{v["total"] / 1e15:.0f}' for v in res.values()]],
         ['per GPU (PFLOP)', *[f'{v["per_gpu"] / 1e15:.0f}' for v in res.values()]],
         ['hours/iter at 400 TFLOP/s per GPU', *[f'{v["hours_at_400tflops"]:.2f}' for v in res.values()]]]), '']
+    md += [f'Muon (the released optimizer, optimizer.py) per optimizer step and GPU: {muon["P_2d"] / 1e9:.2f} B weights '
+           f'in 2-D matrices; gathering each whole gradient receives {muon["gather_GB"]:.1f} GB (fp32; FSDP2\'s own '
+           f'weight all-gather moves 2 B/weight in bf16 per forward); Newton-Schulz on every whole matrix costs '
+           f'{muon["ns_TFLOP"]:.0f} TFLOP, repeated on every rank (not split across ranks), '
+           f'{muon["ns_TFLOP"] / 400:.2f} s at 400 TFLOP/s: small next to an iteration. Optimizer state '
+           f'{muon["state_GB_per_gpu"]:.2f} GB per GPU (Muon momentum 4 B + AdamW 8 B per weight, /8) instead of '
+           f'AdamW\'s {8 * P / gpus / 1e9:.2f} GB.', '']
     md += ['A GPU run should confirm: peak memory per GPU (torch.cuda.max_memory_allocated, train.py\'s '
            'peak_mem_gb) against the total above, the measured time of one forward of one clip-branch against '
            'F / achieved FLOP/s, and t_update / t_rollout close to 5 (4F + F anchor vs F).', '']
@@ -706,4 +798,66 @@ with open(os.path.join(out, 'README.md'), 'w') as f:
     f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
 with open(os.path.join(out, 'bench.json'), 'w') as f:
     json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
+
+
+def md_table(lines, header, nth=0):
+    """The nth Markdown table of lines whose header row starts with `header`."""
+    starts = [i for i, l in enumerate(lines) if l.startswith(header)]
+    if len(starts) <= nth:
+        return []
+    i, j = starts[nth], starts[nth]
+    while j < len(lines) and lines[j].startswith('|'):
+        j += 1
+    return lines[i:j] + ['']
+
+
+def readme_block():
+    """The README's numbers, from this run's results: written between its bench:results markers."""
+    get = lambda k: by_num.get(k, [])
+    out_ = ['<!-- bench:results: written by `python bench.py` from results/; edit bench.py, not this block -->', '']
+    if get('2'):
+        out_ += ['**Fig. 4** (bench section 2): measured ||d logp_t / d theta|| per step vs the proxy N_t; max/min '
+                 'over steps of the per-step gradient norm without and with the equalizer\'s S_t (toy schedule; '
+                 'sage@spec: the paper\'s 20 steps).', ''] + md_table(get('2'), '| kind | log-log slope')
+    if get('1'):
+        out_ += ['**Samplers** (bench section 1): toy rollouts at eta 0.5, each paired with the ODE sample of '
+                 'the same prompt and initial noise (Δmanifold = their manifold-distance difference), then at '
+                 'exploration matched to sage\'s SDE std:', ''] + md_table(get('1'), '| sampler | eta | manifold') + \
+                md_table(get('1'), '| sampler | eta | manifold', 1) + [l for l in get('1') if l.startswith('Manifold distance minus')] + ['']
+    r3 = R.get('3') or {}
+    if r3:
+        f3 = lambda xs: f'{mean_std(xs)[0]:.3f}'
+        r3 = {k: v for k, v in r3.items() if v.get('part') in ('a', 'd', 'e', 'f', 'g')}  # (b), (c): results/README.md
+        out_ += ['**Training ablations** (bench section 3, parts (a), (d)-(g); all parts in results/README.md): 3 seeds each unless the seeds column says otherwise, 15 '
+                 'iterations of 8 prompts x G=4 of config/toy.py; held-out composite before training '
+                 f'{f3([b for v in r3.values() for b in v["before"]])}; final = mean ± std over seeds.', '',
+                 table(['part', 'cell', 'seeds', 'final composite', 'VQ', 'TA', 'manifold', 'kl_grad'],
+                       [[v.get('part', ''), k, v['n'], pm(v['composite']), f3(v['VQ']), f3(v['TA']), f3(v['manifold']),
+                         f'{mean_std(v["kl_grad_ratio"])[0]:.0e}' if v['kl_grad_ratio'] else '-'] for k, v in r3.items()]), '']
+    if get('4'):
+        out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
+                [l for l in get('4') if l.startswith('The transformer passes')] + [''] + md_table(get('4'), '| optimizer |')
+    r5 = R.get('5') or {}
+    if r5:
+        res5 = r5['res']
+        out_ += ['**HunyuanVideo 1.5 on paper** (bench section 5; 8 GPUs, 81 frames, AdamW): ' + '; '.join(
+            f'{k}: {v["mem"]["total"]:.0f} GB per GPU, {v["F_fwd"] / 1e12:.0f} TFLOP per forward, '
+            f'{v["total"] / 1e18:.1f} EFLOP and {v["hours_at_400tflops"]:.2f} h per iteration at 400 TFLOP/s per GPU'
+            for k, v in res5.items()) + '. Not yet confirmed on a GPU.', '']
+        if 'muon' in r5:
+            out_ += [l for l in get('5') if l.startswith('Muon (the released optimizer')] + ['']
+    out_ += ['<!-- /bench:results -->']
+    return out_
+
+
+readme = 'README.md'
+if not quick and out == 'results' and os.path.exists(readme):
+    text = open(readme).read()
+    a, b = text.find('<!-- bench:results'), text.find('<!-- /bench:results -->')
+    if a >= 0 and b > a:
+        text = text[:a] + '\n'.join(readme_block()) + text[b + len('<!-- /bench:results -->'):]
+        with open(readme + '.tmp', 'w') as f:
+            f.write(text)
+        os.replace(readme + '.tmp', readme)
+        print('README.md: results block rewritten', flush=True)
 print(f'bench done in {time.time() - T_START:.0f}s: {out}/README.md', flush=True)

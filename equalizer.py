@@ -11,6 +11,9 @@ so every trained step contributes a gradient of about the same size.
 Deterministic steps (std 0: ode, eta 0, the last cps step, sage steps above its clamp) are never
 trained: their proxy is a placeholder 0 (not inf) and their scale is 1.
 
+Where this differs from the released code: the median of an even number of steps is numpy's (the
+mean of the two middle values, SPEC's 0.1667); median='lower' gives the released torch.median.
+
 Tested by: python -m pytest tests/test_equalizer.py
 """
 
@@ -38,14 +41,21 @@ def proxy(kind, sigmas, eta):
     return torch.where(stochastic, lam.abs() / torch.where(stochastic, std, 1.0), 0.0).float()
 
 
-def scales(kind, sigmas, eta):
+MEDIANS = ('mean_of_middle', 'lower')  # the median of an even count: numpy's (SPEC) | torch.median's (released)
+
+
+def scales(kind, sigmas, eta, median='mean_of_middle'):
     """S_t = median(N) / N_t over the stochastic steps, 1.0 for the deterministic ones; (T,) float32."""
+    if median not in MEDIANS:
+        raise ValueError(f'median must be one of {MEDIANS}, got {median!r}')
     s, s_next = sigmas[:-1].double(), sigmas[1:].double()  # (T,)
     n = proxy(kind, sigmas, eta).double()  # (T,)
     stochastic = (sde.variance(kind, s, s_next, eta) > 0) & (s > 0)
     if not stochastic.any():  # an all-ODE schedule: nothing is trained
         return torch.ones(len(s))
-    # for an even count the median is the mean of the two middle values (numpy's median): that
-    # reproduces SPEC's 0.1667 for 20 sage steps; torch.median would return the lower one, 0.1528
-    med = torch.quantile(n[stochastic], 0.5)
+    # for an even count 'mean_of_middle' is the mean of the two middle values (numpy's median): that
+    # reproduces SPEC's 0.1667 for 20 sage steps; 'lower' is torch.median's lower middle value, 0.1528,
+    # which the released code uses (every S_t is then 0.917x smaller; an odd count gives the same)
+    med = torch.quantile(n[stochastic], 0.5) if median == 'mean_of_middle' else n[stochastic].sort().values[
+        (int(stochastic.sum()) - 1) // 2]
     return torch.where(stochastic, med / torch.where(stochastic, n, 1.0), 1.0).float()

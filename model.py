@@ -4,8 +4,9 @@ tiny one of the same class), FSDP2 sharding, cached prompt embeddings, the class
 velocity, the sampling loop and the decoder to frames. train.py, sample.py and bench.py call these.
 
 A model directory is in diffusers layout: `<dir>/transformer/` for the policy, plus `vae/`,
-`text_encoder*/`, `tokenizer*/` and `model_index.json` for HunyuanVideo 1.5. The toy world
-(toy.DIR) has only `transformer/`; its text encoder and autoencoder live in toy.py.
+`text_encoder*/`, `tokenizer*/` and `model_index.json` for HunyuanVideo 1.5. A directory with only
+`transformer/` (the toy world's) brings its text encoder, autoencoder and latent shape as a plugged-in
+world (`world` below): toy.py plugs itself in when imported, so this file never imports toy.py.
 """
 import gc
 import os
@@ -28,6 +29,19 @@ IMAGE_TOKENS = 1  # t2v image tokens are all-zero and masked out, so their count
                   # pipeline) does not change the output (tests/test_model.py checks it); 1 is cheapest
 
 
+# The world of a directory with only transformer/ (is_toy): a module with encode_prompts(prompts) ->
+# (embeds, mask, embeds_2, mask_2) as the pipeline's encode_prompt returns them, decode(latents) ->
+# frames (B, F, 3, H, W) in [0, 1], and LATENT_SHAPE (C, F, h, w). Importing toy.py sets it.
+world = None
+
+
+def plugged_world(path):
+    if world is None:
+        raise SystemExit(f'{path!r} has only a transformer/: import the world that goes with it first '
+                         '(for assets/toy: import toy)')
+    return world
+
+
 def is_toy(path):
     # the real model is a whole diffusers pipeline; the toy world ships only the transformer
     return not os.path.isfile(os.path.join(path, 'model_index.json')) and \
@@ -38,7 +52,7 @@ def missing_weights(path, what, err):
     return SystemExit(
         f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
         f'Download the weights first, e.g.\n'
-        f'  huggingface-cli download {HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'
+        f'  hf download {HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'
         f'and pass --model=weights/HunyuanVideo-1.5-480p_t2v (for the toy world: --model=assets/toy).')
 
 
@@ -99,11 +113,10 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, weig
 
 def encode_prompts(path, prompts, device='cpu'):
     """{prompt: (embeds (L, D), mask (L,), embeds_2 (L2, D2), mask_2 (L2,))} on the CPU, trimmed to
-    the valid tokens (at least one), with the pipeline's own encoders (the toy's for the toy)."""
+    the valid tokens (at least one), with the pipeline's own encoders (a plugged-in world's for the toy)."""
     prompts = sorted(set(prompts))
     if is_toy(path):
-        import toy
-        out = toy.encode_prompts(prompts)
+        out = plugged_world(path).encode_prompts(prompts)
     else:
         from diffusers import HunyuanVideo15Pipeline
         try:  # no transformer; freed again before training starts (diffusers 0.42 cannot skip the
@@ -212,8 +225,7 @@ def sample(model, x, sigmas, text, cfg, text_neg, kind, eta, gens, keep=False):
 def load_decoder(path, device):
     """decode(latents (B, C, F, h, w)) -> frames (B, F, 3, H, W) in [0, 1]."""
     if is_toy(path):
-        import toy
-        return toy.decode
+        return plugged_world(path).decode
     from diffusers import AutoencoderKLHunyuanVideo15
     try:
         vae = AutoencoderKLHunyuanVideo15.from_pretrained(path, subfolder='vae', torch_dtype=torch.bfloat16)
@@ -233,8 +245,7 @@ def load_decoder(path, device):
 def latent_shape(path, num_frames, height, width):
     """(C, F, h, w) of one clip's latents."""
     if is_toy(path):
-        import toy
-        return tuple(toy.LATENT_SHAPE)
+        return tuple(plugged_world(path).LATENT_SHAPE)
     from diffusers import AutoencoderKLHunyuanVideo15
     try:  # HunyuanVideo 1.5: 32 channels, 4x temporal and 16x spatial compression
         c = AutoencoderKLHunyuanVideo15.load_config(path, subfolder='vae')

@@ -5,8 +5,8 @@ added tokens <|VQ_reward|>, <|MQ_reward|>, <|TA_reward|> sit in a fixed instruct
 k is rm_head row k at the final hidden state of the k-th token. VQ and MQ precede the user prompt (causal
 model), so only TA depends on the text. Normalised with the released mean/std; Overall = VQ + MQ + TA.
 
-    huggingface-cli download KwaiVGI/VideoReward --local-dir ckpt/VideoReward
-    huggingface-cli download Qwen/Qwen2-VL-2B-Instruct --local-dir ckpt/Qwen2-VL-2B-Instruct
+    hf download KwaiVGI/VideoReward --local-dir ckpt/VideoReward
+    hf download Qwen/Qwen2-VL-2B-Instruct --local-dir ckpt/Qwen2-VL-2B-Instruct
     reward_fn = load_videoalign("ckpt/VideoReward", "ckpt/Qwen2-VL-2B-Instruct", device="cuda")
     scores = reward_fn(frames, prompts, fps=24)  # frames (B, F, 3, H, W) in [0, 1]
     r = combine(scores)                          # (B,), SETTING_B weights
@@ -50,8 +50,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # Qwen2-VL image_std (OPENAI_CL
 NORM = {"VQ": (3.6757, 2.2476), "MQ": (1.1646, 1.3811), "TA": (2.8105, 2.5121)}
 DIMS = ("VQ", "MQ", "TA")  # rm_head rows, in order
 REWARD_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")  # added tokens, one per dimension
-GET_CKPT = "huggingface-cli download KwaiVGI/VideoReward --local-dir {}"  # how to obtain checkpoint_dir
-GET_QWEN = "huggingface-cli download Qwen/Qwen2-VL-2B-Instruct --local-dir {}"  # how to obtain qwen_dir
+GET_CKPT = "hf download KwaiVGI/VideoReward --local-dir {}"  # how to obtain checkpoint_dir
+GET_QWEN = "hf download Qwen/Qwen2-VL-2B-Instruct --local-dir {}"  # how to obtain qwen_dir
 # Qwen2-VL-2B-Instruct's chat template rendered for one user turn [video, text] + generation prompt
 CHAT_HEAD = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
 CHAT_TAIL = "<|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n"
@@ -190,7 +190,8 @@ class VideoAlign:
         ids = torch.tensor(self.head_ids + [self.video_id] * n_video + tail)  # (L,)
         hits = [(ids == t).nonzero().flatten() for t in self.reward_ids]
         # VQ, MQ precede the prompt and TA follows it: the first, first, last hits are the template's
-        # own tokens even if the prompt contains one (the released code would crash on such a prompt)
+        # own tokens even if the prompt contains one (the released code takes every hit: with one video
+        # it silently returns wrong scores for such a prompt, and it crashes only with two or more)
         return pixels, grid, ids, torch.stack([hits[0][0], hits[1][0], hits[2][-1]])
 
     def forward(self, items):

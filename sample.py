@@ -4,10 +4,14 @@ the base model with an aligned checkpoint at a glance (one row of frames per mod
 
     python sample.py                                  # toy world: base vs out-toy's newest checkpoint
     python sample.py --prompts="a red circle moving left" --sampler=sage --eta=0.5
-    python sample.py --model=weights/HunyuanVideo-1.5-480p_t2v --checkpoint=out --device=cuda \
-        --prompts=prompts/eval.txt --num_frames=81 --height=480 --width=848 --cfg=6.0 --shift=5.0 --fps=24
+    python sample.py --model=weights/HunyuanVideo-1.5-480p_t2v --checkpoint=out --device=cuda --prompts=prompts/eval.txt
 
-Files: out_dir/<name>_<i>.mp4 for name in (base, aligned), and out_dir/contact_sheet.png.
+Settings left at None take the world's own defaults: the toy's sampling (config/toy.py: 10 steps,
+shift 3, no guidance, 8 fps), or HunyuanVideo 1.5 480p's inference defaults (50 steps, shift 5,
+cfg 6, 81 frames at 480x848, 24 fps).
+
+Files: out_dir/<name>_<i>.mp4 for name in (base, aligned), and out_dir/contact_sheet.png: per prompt
+a title line with the prompt, then one labelled row of frames per model (base above aligned).
 Then a table of every metric, mean over the prompts, base vs aligned (also out_dir/metrics.json): the
 toy's exact reward and manifold distance, or VideoAlign's VQ/MQ/TA, plus CLIPScore and PickScore with
 --eval_metrics=clipscore,pickscore (metrics.py). Missing weights skip the table with the download command.
@@ -15,12 +19,11 @@ toy's exact reward and manifold distance, or VideoAlign's VQ/MQ/TA, plus CLIPSco
 import json
 import os
 
-import imageio
 import torch
 
 import sde
 from configurator import configure
-from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
+from model import batch_text, encode_prompts, generators, is_toy, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4
 
 # ----------------------------------------------------------------------------- settings
@@ -29,15 +32,15 @@ checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint) or 
 prompts = 'assets/toy/eval_prompts.txt'  # one prompt, or a file with one prompt per line
 num_prompts = 4                 # the first few prompts of the file
 negative_prompt = ''            # unconditional branch of classifier-free guidance
-num_steps = 10                  # sampling steps (config/toy.py's)
-shift = 3.0                     # sigma-schedule shift
-cfg = 1.0                       # classifier-free guidance scale (config/toy.py trains without)
+num_steps = None                # sampling steps (None: toy 10 as config/toy.py, HunyuanVideo 480p 50)
+shift = None                    # sigma-schedule shift (None: toy 3.0, HunyuanVideo 480p 5.0)
+cfg = None                      # classifier-free guidance scale (None: toy 1.0 as trained, HunyuanVideo 6.0)
 sampler = 'ode'                 # 'ode' | 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.0                       # SDE noise scale (ignored by 'ode')
 num_frames = 81                 # HunyuanVideo only (the toy's clip size is fixed)
 height = 480
 width = 848
-fps = 8                         # frame rate written to the mp4 files
+fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24)
 seed = 0                        # the same seed per prompt for every model: differences are the model's
 device = 'cpu'
 out_dir = 'samples'
@@ -49,6 +52,14 @@ clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-larg
 pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
 config = configure(globals())
 # -----------------------------------------------------------------------------
+# the world's own defaults for what was left at None: the toy's (config/toy.py) or HunyuanVideo 480p's
+toy_world = is_toy(model)
+if toy_world:
+    import toy  # noqa: F401  plugs the toy's text encoder, decoder and latent shape into model.py
+defaults = dict(num_steps=10, shift=3.0, cfg=1.0, fps=8) if toy_world else dict(num_steps=50, shift=5.0, cfg=6.0, fps=24)
+for k, v in defaults.items():
+    if globals()[k] is None:
+        globals()[k] = config[k] = v
 
 
 def newest(path):
@@ -97,33 +108,41 @@ for name, ckpt in models:
     print(f'{name}: {len(prompt_list)} videos in {out_dir}/ ({ckpt or model})')
     del policy
 
-# contact sheet: for each prompt, one row of frames per model (base above aligned), 2-pixel gaps;
-# small frames (the toy's 24x24) are enlarged by an integer factor, nearest neighbour
+# contact sheet: for each prompt, a title line (the prompt), then one row of frames per model
+# (base above aligned) with its name at the left; 2-pixel gaps; small frames (the toy's 24x24) are
+# enlarged by an integer factor, nearest neighbour
 zoom = max(1, 96 // rows[0].shape[-2])
 clips = rows  # (B, F, 3, H, W) per model, as decoded: the metrics table scores these
 rows = [f.repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]
 B, F, _, H, W = rows[0].shape
-gap = 2
-sheet = torch.ones(3, B * len(rows) * (H + gap), F * (W + gap))
+gap, label_w, title_h = 2, 64, 14  # pixels: between frames, the row-name column, the prompt line
+block = title_h + len(rows) * (H + gap)  # one prompt
+sheet = torch.ones(3, B * block, label_w + F * (W + gap))
 for i in range(B):
     for m, frames in enumerate(rows):
-        y = (i * len(rows) + m) * (H + gap)
+        y = i * block + title_h + m * (H + gap)
         for f in range(F):
-            sheet[:, y:y + H, f * (W + gap):f * (W + gap) + W] = frames[i, f].cpu()
+            x = label_w + f * (W + gap)
+            sheet[:, y:y + H, x:x + W] = frames[i, f].cpu()
 png = (sheet.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-imageio.imwrite(os.path.join(out_dir, 'contact_sheet.png'), png)
-print(f'contact sheet: {out_dir}/contact_sheet.png ({" above ".join(n for n, _ in models)}, one pair of rows per prompt)')
+from PIL import Image, ImageDraw  # pillow comes with matplotlib and imageio
+img = Image.fromarray(png)
+draw = ImageDraw.Draw(img)
+for i, p in enumerate(prompt_list):
+    draw.text((2, i * block + 1), f'{i}: {p}'[:(label_w + F * (W + gap)) // 6], fill=(0, 0, 0))  # ~6 px a character
+    for m, (name, _) in enumerate(models):
+        draw.text((2, i * block + title_h + m * (H + gap) + H // 2 - 5), name, fill=(0, 0, 0))
+img.save(os.path.join(out_dir, 'contact_sheet.png'))
+print(f'contact sheet: {out_dir}/contact_sheet.png (per prompt: its text, then {" above ".join(n for n, _ in models)})')
 
 # ----------------------------------------------------------------------------- metrics table
 # the clips above scored by the reward (the toy's exact one, or VideoAlign) and the visual metrics,
 # base vs aligned: the first look at reward hacking (a reward that rises while CLIPScore falls)
 if metrics_table:
     from metrics import load_metrics
-    from model import is_toy
     from reward import SETTING_B, combine
     try:
-        if is_toy(model):
-            import toy
+        if toy_world:
             reward_fn, manifold_distance = toy.reward, toy.manifold_distance
         else:
             from reward import load_videoalign

@@ -22,6 +22,9 @@ Where this differs from the paper and why:
 - the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
 - optional (not in the paper; TVRL's weighted_logprob): log_prob's per-element weight makes the
   reduction a weighted mean sum(w logp)/sum(w) (credit.py); weight=None is the mean, bitwise.
+- the last CPS step (s' = 0: std 0, a deterministic step) has no log-probability (logp None) and is
+  never trained; reference implementations return a finite value there (their density with its
+  std-dependent terms dropped or floored) and train that step too.
 
 Tested by: python -m pytest tests/test_sde.py
 """

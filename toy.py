@@ -42,6 +42,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+import model  # one way: the toy world plugs into model.py's interface (model.world, set below)
+
 # ----------------------------------------------------------------------------- settings
 DIR = 'assets/toy'              # committed base model directory (transformer/, text table, prompts)
 FRAMES = 9                      # frames per clip
@@ -352,7 +354,7 @@ def data(gen, n):
 def pretrain():
     """Rectified-flow matching: x_s = (1 - s) x0 + s noise, the model predicts v = noise - x0."""
     from safetensors.torch import save_file
-    from model import velocity  # the same guided forward train.py uses
+    velocity = model.velocity  # the same guided forward train.py uses
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(THREADS)  # a fixed count: float sums, hence the weights, depend on it
     out = os.path.join(_HERE, DIR)
@@ -412,7 +414,7 @@ def pretrain():
 def sample(net, prompts, seeds, steps=EVAL_STEPS, shift=EVAL_SHIFT, cfg=EVAL_CFG):
     """ODE (Euler) samples of the prompts, one noise seed each -> frames (B, F, 3, H, W)."""
     import sde
-    from model import velocity
+    velocity = model.velocity
     text, neg = encode_prompts(prompts), encode_prompts([''] * len(prompts))
     x = torch.stack([torch.randn(LATENT_SHAPE, generator=torch.Generator().manual_seed(s)) for s in seeds])
     sig = sde.sigmas(steps, shift)  # (steps + 1,) 1 .. 0
@@ -441,6 +443,9 @@ def summary(frames, prompts):
     out['manifold'] = manifold_distance(frames).mean().item()
     out['colour+direction right'] = ((r['colour'] > 0.5) & (r['direction'] > 0.5)).float().mean().item()
     return out
+
+
+model.world = sys.modules[__name__]  # model.encode_prompts, load_decoder, latent_shape of DIR use this module
 
 
 if __name__ == '__main__':

@@ -12,7 +12,11 @@ Settings are the constants below (the paper's released defaults, shared/SPEC.md 
 config files and --key=value override them (configurator.py). The loss is loss.py, SPEC section 4.
 
 Where this code knowingly differs from the paper or its released code:
-- lambda_KL is updated once per optimizer step (the paper's count), not per sample x timestep.
+- lambda_KL is updated once per optimizer step on the all-rank mean KL (the paper's count);
+  kl_update='backward' is the released cadence (after every backward, on the rank's local KL).
+- rollouts start from fresh noise every iteration; prompt_noise='fixed' is the released seeding.
+- a NaN reward drops its clip from its group; the released code scores it 0 and keeps it.
+- config/released.py is the released run as far as these settings express it (with sources).
 - CPS log-probabilities are the true Gaussian density (the reference drops its constants).
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
@@ -20,6 +24,7 @@ Where this code knowingly differs from the paper or its released code:
 - credit='tvrl' (not in the paper; TVRL on top): each clip's log-prob is a credit-weighted mean over its
   latent tokens (credit.py) instead of the plain mean, in both the old and the new log-prob.
 """
+import csv
 import hashlib
 import json
 import os
@@ -33,10 +38,12 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import sde
+import toy  # plugs the toy world (its text encoder, decoder, latent shape) into model.py
 from configurator import configure
 from credit import credit_map
-from equalizer import scales
+from equalizer import MEDIANS, scales
 from loss import denominator, grpo_loss
+from optimizer import build as build_optimizers
 from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4, velocity
 from reward import combine, group_advantages, sample_indices, score_and_grad
@@ -56,8 +63,8 @@ wandb_log = False               # also log to wandb (if it is installed)
 wandb_project = 'sage-grpo'
 # model and data
 model = 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'  # hub id or diffusers dir
-train_prompts = 'prompts/train.txt'  # one prompt per line
-eval_prompts = 'prompts/eval.txt'    # held-out prompts, never trained on
+train_prompts = 'prompts/train.txt'  # one prompt per line, or a CSV with a prompt (and seed) column
+eval_prompts = 'prompts/eval.txt'    # held-out prompts, never trained on (same formats)
 negative_prompt = ''            # the unconditional branch of classifier-free guidance
 num_frames = 81                 # frames per clip
 height = 352                    # rollout resolution (the paper trains at 352x624)
@@ -65,8 +72,8 @@ width = 624
 fps = 24                        # frame rate of the decoded clips (the reward samples at 2 fps)
 # reward
 reward_model = 'videoalign'     # 'videoalign' (frozen, shared/SPEC.md 6) or 'toy'
-videoalign_dir = 'weights/VideoReward'        # huggingface-cli download KwaiVGI/VideoReward
-qwen_dir = 'weights/Qwen2-VL-2B-Instruct'     # huggingface-cli download Qwen/Qwen2-VL-2B-Instruct
+videoalign_dir = 'weights/VideoReward'        # hf download KwaiVGI/VideoReward --local-dir weights/VideoReward
+qwen_dir = 'weights/Qwen2-VL-2B-Instruct'     # hf download Qwen/Qwen2-VL-2B-Instruct --local-dir weights/Qwen2-VL-2B-Instruct
 reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA): Setting B, the paper's main one; A is (1, 1, 1)
 eval_metrics = 'clipscore,pickscore'  # visual metrics at held-out evaluation (metrics.py); '' for none
 clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
@@ -90,6 +97,8 @@ clip_range = 1e-4               # PPO ratio clip
 adv_clip = 5.0                  # advantages are clipped to +-adv_clip
 equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
 updates_per_iter = 1            # optimizer steps per rollout batch
+prompt_noise = 'fresh'          # initial noise: 'fresh' per iteration | 'fixed' per (seed, prompt, member), released
+median = 'mean_of_middle'       # equalizer median: 'mean_of_middle' (numpy, SPEC) | 'lower' (torch.median, released)
 # trust region
 kl_strategy = 'dual'            # 'none' | 'fixed' | 'stepwise' | 'moving' | 'dual'
 anchor_every = 10               # optimizer steps between anchor refreshes (moving, dual)
@@ -98,7 +107,9 @@ beta_vel = 0.1                  # weight of the velocity term KL(theta || theta_
 kl_max = 1e-5                   # upper bound (and warm-up end) of the adaptive lambda_KL
 kl_target = 1e-5                # the controller's KL target
 kl_direction = 1                # +1: the printed rule (relax when KL is high); -1: stabilising
+kl_update = 'step'              # controller.update: 'step' (all-rank mean, per optimizer step) | 'backward' (released)
 # optimisation
+optimizer = 'muon'              # 'muon' (2-D matrices; AdamW for the rest: released default) | 'adamw' (optimizer.py)
 max_iters = 300                 # rollout batches
 learning_rate = 1e-5            # constant
 weight_decay = 0.01
@@ -115,6 +126,8 @@ if sampler not in KINDS or kl_strategy not in STRATEGIES:
     raise SystemExit(f'sampler must be one of {KINDS}, kl_strategy one of {STRATEGIES}')
 if credit not in ('none', 'tvrl'):
     raise SystemExit(f"credit must be 'none' or 'tvrl', got {credit!r}")
+if kl_update not in ('step', 'backward') or prompt_noise not in ('fresh', 'fixed') or median not in MEDIANS:
+    raise SystemExit(f"kl_update must be 'step' or 'backward', prompt_noise 'fresh' or 'fixed', median one of {MEDIANS}")
 if group_size < 2:
     raise SystemExit(f'group_size must be at least 2 (GRPO compares rollouts of a prompt), got {group_size}')
 
@@ -161,17 +174,26 @@ def mean_all(x):
 
 
 def read_prompts(path):
+    """Prompts of a text file (one per line) or a CSV with a 'prompt' column and an optional 'seed'
+    column (the released format); returns the prompts and {prompt: seed} of those that have one."""
     try:
-        with open(path) as f:
-            lines = [l.strip() for l in f if l.strip()]
+        with open(path, newline='') as f:
+            if path.endswith('.csv'):
+                rows = list(csv.DictReader(f))
+                if rows and 'prompt' not in rows[0]:
+                    raise SystemExit(f'prompt file {path!r} has no prompt column (columns: {list(rows[0])})')
+                lines = [r['prompt'].strip() for r in rows if r['prompt'].strip()]
+                seeds = {r['prompt'].strip(): int(r['seed']) for r in rows if (r.get('seed') or '').strip()}
+            else:
+                lines, seeds = [l.strip() for l in f if l.strip()], {}
     except FileNotFoundError:
-        raise SystemExit(f'prompt file {path!r} not found (one prompt per line)')
+        raise SystemExit(f'prompt file {path!r} not found (one prompt per line, or a CSV with a prompt column)')
     if not lines:
-        raise SystemExit(f'prompt file {path!r} is empty (one prompt per line)')
-    return lines
+        raise SystemExit(f'prompt file {path!r} is empty (one prompt per line, or a CSV with a prompt column)')
+    return lines, seeds
 
 
-train_list, eval_list = read_prompts(train_prompts), read_prompts(eval_prompts)
+(train_list, prompt_seeds), (eval_list, _) = read_prompts(train_prompts), read_prompts(eval_prompts)
 if master:
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -205,12 +227,11 @@ if init_from == 'resume':
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
                      weights=ckpt and os.path.join(ckpt, 'model.safetensors'))
 params = [p for p in policy.parameters() if p.requires_grad]
-optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW] or [AdamW]
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
 controller = KLController(lam_max=kl_max, target=kl_target, direction=kl_direction)
 decode = load_decoder(model, device)
 if reward_model == 'toy':
-    import toy
     reward_fn, manifold_distance = toy.reward, toy.manifold_distance
 else:
     from reward import load_videoalign
@@ -223,7 +244,7 @@ except (OSError, ValueError) as e:
 
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w)
 sigmas = sde.sigmas(num_steps, shift).to(device)        # (N + 1,) from 1.0 to 0.0
-S = (scales(sampler, sigmas.cpu(), eta) if equalizer else torch.ones(num_steps)).to(device)  # (N,) S_t
+S = (scales(sampler, sigmas.cpu(), eta, median) if equalizer else torch.ones(num_steps)).to(device)  # (N,) S_t
 trained_steps = [i for i in range(num_steps) if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
 n_train = max(1, round(timestep_fraction * len(trained_steps)))
 use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('stepwise', 'dual')
@@ -235,7 +256,7 @@ if ckpt is not None:  # optimizer, anchor, controller, counters; the weights wer
     state = torch.load(os.path.join(ckpt, 'state.pt'), weights_only=False)
     # strict=False: a weight that never got a gradient (the last block's text-stream output, whose
     # result the transformer discards) has no AdamW state, in the saved run as in this one
-    set_optimizer_state_dict(policy, optimizer, optim_state_dict=state['optimizer'],
+    set_optimizer_state_dict(policy, optimizers, optim_state_dict=state['optimizer'],
                              options=StateDictOptions(full_state_dict=True, strict=False))
     anchor.load_state_dict(state['anchor'])
     controller.load_state_dict(state['controller'])
@@ -288,7 +309,7 @@ def save_checkpoint():
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered shard by shard to CPU
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     weights = {k: v.contiguous() for k, v in get_model_state_dict(policy, options=opts).items() if k in trainable}
-    optim = get_optimizer_state_dict(policy, optimizer, options=opts)
+    optim = get_optimizer_state_dict(policy, optimizers, options=opts)
     # the anchor's shards gathered one tensor at a time (a collective: every rank takes part)
     anchor_state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in anchor.state_dict().items()}
     if not master:
@@ -336,10 +357,10 @@ def grad_norm():
 
 def grad_norm_of(loss):
     """Backward one loss alone and return its gradient's global norm (leaves .grad empty)."""
-    optimizer.zero_grad(set_to_none=True)
+    policy.zero_grad(set_to_none=True)
     loss.backward()
     n = grad_norm()
-    optimizer.zero_grad(set_to_none=True)
+    policy.zero_grad(set_to_none=True)
     return n
 
 
@@ -373,9 +394,12 @@ while iter_num < max_iters:
     traj, latents = [], []
     for c in tqdm(range(0, n_local, rollout_batch), desc='rollout', disable=not master, leave=False):
         idx = gids[c:c + rollout_batch]
-        gens = generators([mix(seed, 'rollout', iter_num, i) for i in idx])
+        gens = generators([mix(seed, 'rollout', iter_num, i) for i in idx])  # the SDE's noise (and 'fresh' x_1)
+        x1 = noise(shape, gens if prompt_noise == 'fresh' else generators(  # 'fixed': member i % G of its prompt
+            [prompt_seeds[p] + i % group_size if p in prompt_seeds else mix(seed, 'noise', p, i % group_size)
+             for p, i in zip(prompts[c:c + rollout_batch], idx)]), device)
         text, text_neg = text_for(prompts[c:c + rollout_batch])
-        x, rec = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True)
+        x, rec = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True)
         traj.append(rec)
         latents.append(x)
     clips = {k: torch.cat([r[k] for r in traj]) for k in traj[0]}  # xs (n, N+1, C, F, h, w), ...
@@ -432,7 +456,7 @@ while iter_num < max_iters:
     chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
     bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
     for chunk in chunks:
-        optimizer.zero_grad(set_to_none=True)
+        policy.zero_grad(set_to_none=True)
         mbs = [chunk[i:i + train_batch] for i in range(0, len(chunk), train_batch)]
         denom = denominator(valid.sum().item(), n_train, world, len(chunks))  # FSDP averages over ranks
         kl_chunk = []
@@ -447,13 +471,17 @@ while iter_num < max_iters:
                 stats['kl_vel'] += terms.kl_vel.sum().item() / (n_local * n_train)
                 stats['clipfrac'] += ((terms.ratio - 1).abs() > clip_range).float().sum().item() / (n_local * n_train)
                 kl_chunk.append((w_pos * terms.kl_pos + w_vel * terms.kl_vel).mean().item())
+                if kl_update == 'backward':  # the released cadence: this rank's KL of this backward, so
+                    controller.update(kl_chunk[-1])  # ranks' lambdas differ (a checkpoint keeps rank 0's)
                 bar.update(len(b))
         gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         stats['grad_norm'] += float(gn.full_tensor() if isinstance(gn, DTensor) else gn) / len(chunks)
-        optimizer.step()
+        for o in optimizers:
+            o.step()
         opt_steps += 1
         # ---- anchor and lambda_KL: once per optimizer step, from the KL observed over all ranks
-        controller.update(mean_all(sum(kl_chunk) / len(kl_chunk)))
+        if kl_update == 'step':
+            controller.update(mean_all(sum(kl_chunk) / len(kl_chunk)))
         anchor.maybe_refresh(policy, opt_steps)
     bar.close()
     t3 = time.time()

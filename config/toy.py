@@ -20,6 +20,7 @@ rollout_batch = 64              # all of a rank's clips in one forward
 train_batch = 32
 timestep_fraction = 0.5         # half of the 10 stochastic steps of each clip, chosen at random
 learning_rate = 1e-4            # a 2-layer model on a tiny world moves faster than 8.3B parameters
+optimizer = 'adamw'             # the toy's ablations ran with AdamW; Muon vs AdamW: results/ section 3 (f)
 max_iters = 40
 eval_every = 20
 eval_samples = 2                # 16 held-out prompts x 2 seeds

@@ -61,3 +61,24 @@ def test_scales_equalize_gradient_norms(kind):
         assert abs(raw[-1] / n[i].item() - 1) < 0.05, (i, raw[-1], n[i])
     assert max(raw) / min(raw) > 5  # without the scale, steps differ a lot (sage: ~150x)
     assert max(equalized) / min(equalized) < 1.1  # with it, all within 10%
+
+
+@pytest.mark.parametrize('kind', STOCHASTIC)
+@pytest.mark.parametrize('steps', (20, 9))
+def test_median_settings_match_numpy_and_torch_median(kind, steps):
+    # 'mean_of_middle' is numpy's median, 'lower' torch.median's (the released code); independent
+    # references on the proxies of the stochastic steps. An odd count (steps 9) gives the same for both
+    import numpy as np
+    sig = sde.sigmas(steps, 5.0)
+    n = equalizer.proxy(kind, sig, 0.5).double()
+    live = n > 0
+    for median, ref in (('mean_of_middle', float(np.median(n[live].numpy()))), ('lower', n[live].median().item())):
+        S = equalizer.scales(kind, sig, 0.5, median).double()
+        assert torch.allclose(S[live] * n[live], torch.full_like(n[live], ref), rtol=1e-6), median
+    a, b = equalizer.scales(kind, sig, 0.5), equalizer.scales(kind, sig, 0.5, 'lower')
+    if int(live.sum()) % 2:
+        assert torch.equal(a, b)
+    elif kind == 'sage' and steps == 20:  # SPEC section 8: the released S_t is 0.917x the project's
+        assert abs((b[live] / a[live]).mean().item() - 0.1528 / 0.1667) < 2e-3
+    with pytest.raises(ValueError):
+        equalizer.scales(kind, sig, 0.5, 'upper')

@@ -112,9 +112,9 @@ def test_missing_and_unexpected_keys_are_reported(tiny, tmp_path):
 
 
 def test_missing_files_say_how_to_get_them(tiny, tmp_path):
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download KwaiVGI/VideoReward"):
+    with pytest.raises(FileNotFoundError, match="hf download KwaiVGI/VideoReward"):
         reward.load_videoalign(str(tmp_path / "none"), tiny[1])
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download Qwen/Qwen2-VL-2B-Instruct"):
+    with pytest.raises(FileNotFoundError, match="hf download Qwen/Qwen2-VL-2B-Instruct"):
         reward.load_videoalign(tiny[0], str(tmp_path / "none"))
     os.makedirs(tmp_path / "empty")
     shutil.copy(os.path.join(tiny[0], "model_config.json"), tmp_path / "empty")

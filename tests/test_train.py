@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import imageio.v3 as iio
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -60,12 +61,14 @@ def check_run(out, iters):
     return rows
 
 
-def test_toy_one_process_and_exact_resume(tmp_path):
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
+def test_toy_one_process_and_exact_resume(tmp_path, optimizer):
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
-    run(SMALL + [f'--out_dir={a}', '--max_iters=4'])
+    small = SMALL + [f'--optimizer={optimizer}']  # muon: the momentum buffers come back too
+    run(small + [f'--out_dir={a}', '--max_iters=4'])
     check_run(a, 4)
-    run(SMALL + [f'--out_dir={b}', '--max_iters=2'])
-    run(SMALL + [f'--out_dir={b}', '--max_iters=4', '--init_from=resume'])
+    run(small + [f'--out_dir={b}', '--max_iters=2'])
+    run(small + [f'--out_dir={b}', '--max_iters=4', '--init_from=resume'])
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:  # bitwise: rollouts, update order and optimizer state all continue identically
@@ -78,7 +81,7 @@ def test_toy_one_process_and_exact_resume(tmp_path):
 
 def test_toy_fsdp_two_ranks(tmp_path):
     out = str(tmp_path / 'fsdp')
-    p = run(SMALL + [f'--out_dir={out}', '--max_iters=2'], torchrun=True)
+    p = run(SMALL + [f'--out_dir={out}', '--max_iters=2', '--optimizer=muon'], torchrun=True)
     check_run(out, 2)
     assert 'eval composite before' in p.stdout
 
@@ -94,7 +97,7 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
              (['--train_prompts=nope.txt'], 'not found'),
              (['--no_such_key=1'], "unknown setting 'no_such_key'"),
              (['--eta=fast'], 'eta must be float'),
-             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'huggingface-cli download'),
+             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'hf download'),
              (['--eval_metrics=clipscore', '--clip_dir=/nonexistent/clip'],
               'hf download openai/clip-vit-large-patch14 --local-dir /nonexistent/clip')]
     for args, message in cases:
@@ -142,7 +145,10 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
             assert v.shape[1] >= toy.HEIGHT and v.shape[2] >= toy.WIDTH
     sheet = iio.imread(os.path.join(out, 'contact_sheet.png'))
     zoom = max(1, 96 // toy.HEIGHT)  # small frames are enlarged on the sheet
-    assert sheet.shape[0] == 2 * 2 * (zoom * toy.HEIGHT + 2) and sheet.shape[1] == toy.FRAMES * (zoom * toy.WIDTH + 2)
+    label_w, title_h = 64, 14  # sample.py's row-name column and prompt line, in pixels
+    assert sheet.shape[0] == 2 * (title_h + 2 * (zoom * toy.HEIGHT + 2))
+    assert sheet.shape[1] == label_w + toy.FRAMES * (zoom * toy.WIDTH + 2)
+    assert (sheet[:title_h, :label_w] < 128).any() and (sheet[title_h:, :label_w] < 128).any()  # text drawn
     assert 'contact sheet' in p.stdout
     # the metrics table: every metric of the toy's reward plus the visual ones, base and aligned
     with open(os.path.join(out, 'metrics.json')) as f:
@@ -195,3 +201,80 @@ def test_nan_rewards_are_dropped_reported_and_never_corrupt(tmp_path):
     assert p.returncode != 0 and 'every reward is NaN' in p.stdout + p.stderr, p.stderr[-2000:]
     assert files == {f: open(os.path.join(out, f), 'rb').read() for f in files}
     assert all(torch.equal(w[k], v) for k, v in weights(out).items())
+
+
+# train.py with model.sample wrapped: every rollout batch's initial noise and prompt embeddings are
+# saved to $RECORD (a list of (embeds (B, L, D), x_1 (B, ...)) per rollout call)
+RECORD_RUNNER = '''
+import os, runpy, sys, torch, model
+calls, inner = [], model.sample
+def recording(policy, x, sigmas, text, *args, keep=False, **kw):
+    if keep:  # rollouts, not the ODE evaluation
+        calls.append((text[0].clone(), x.clone()))
+        torch.save(calls, os.environ['RECORD'])
+    return inner(policy, x, sigmas, text, *args, keep=keep, **kw)
+model.sample = recording
+sys.argv = sys.argv[1:]
+runpy.run_path('train.py', run_name='__main__')
+'''
+
+
+def test_prompt_noise_and_kl_update_settings(tmp_path):
+    # two prompts and prompts_per_iter=2: both are drawn every iteration, 2 members each; one prompt
+    # has a seed column entry (the released CSV format), the other none
+    csv = tmp_path / 'train.csv'
+    csv.write_text('index,prompt,seed\n0,a red circle moving left,1234\n1,"a blue square moving up",\n')
+    import toy
+    from trust_region import LAM_INIT, LAM_MAX, WARMUP
+    shape = toy.LATENT_SHAPE
+    out = {}
+    for noise, cadence in (('fixed', 'backward'), ('fresh', 'step')):
+        rec = str(tmp_path / f'{noise}.pt')
+        d = str(tmp_path / noise)
+        run(['-c', RECORD_RUNNER] + SMALL + [f'--out_dir={d}', '--max_iters=2', f'--train_prompts={csv}',
+                                             f'--prompt_noise={noise}', f'--kl_update={cadence}'], env={'RECORD': rec})
+        calls = torch.load(rec)
+        assert len(calls) == 2  # one rollout call (all 4 clips) per iteration
+        by_prompt = []
+        for text, x in calls:  # -> {prompt embedding: [member 0 noise, member 1 noise]} per iteration
+            keys = [t.numpy().tobytes() for t in text]
+            by_prompt.append({k: [x[i] for i in range(len(keys)) if keys[i] == k] for k in keys})
+        out[noise] = by_prompt
+        # lambda_KL in its warm-up is a closed form of the number of update() calls: one per optimizer
+        # step ('step') or one per backward ('backward': 2 micro-batches x 2 trained steps per iteration)
+        per_iter = 4 if cadence == 'backward' else 1
+        lam = [r['lambda_kl'] for r in metrics(d) if 'reward' in r]
+        assert lam == pytest.approx([LAM_INIT + (LAM_MAX - LAM_INIT) * per_iter * k / WARMUP for k in (1, 2)], rel=1e-9)
+    fixed, fresh = out['fixed'], out['fresh']
+    assert fixed[0].keys() == fixed[1].keys() and len(fixed[0]) == 2
+    for k in fixed[0]:
+        a, b = fixed[0][k], fixed[1][k]
+        assert len(a) == 2 and all(torch.equal(u, v) for u, v in zip(a, b))  # the same G noises each draw
+        assert not torch.equal(a[0], a[1])  # members differ
+        assert not any(torch.equal(u, v) for u, v in zip(fresh[0][k], fresh[1][k]))  # 'fresh': new each time
+    # the prompt with a seed starts from seed + member, as the released code seeds it
+    seeded = [torch.randn(shape, generator=torch.Generator().manual_seed(1234 + m)) for m in (0, 1)]
+    hits = [k for k in fixed[0] if all(torch.equal(u, v) for u, v in zip(fixed[0][k], seeded))]
+    assert len(hits) == 1
+
+
+def test_download_command_in_messages_exists():
+    # the messages say `hf download REPO --local-dir DIR`: huggingface_hub 2.x ships `hf` (and no
+    # longer huggingface-cli) next to this Python
+    import shutil
+    hf = shutil.which('hf', path=os.path.dirname(sys.executable))
+    assert hf, 'no hf command next to ' + sys.executable
+    p = subprocess.run([hf, 'download', '--help'], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and '--local-dir' in p.stdout
+    import model, reward
+    assert 'hf download' in model.missing_weights('x', 'y', OSError('z')).code
+    assert reward.GET_CKPT.startswith('hf download') and reward.GET_QWEN.startswith('hf download')
+
+
+def test_released_config_is_valid(tmp_path):
+    # every key of config/released.py is a train.py setting of the right type: the run gets as far
+    # as loading the model (absent here)
+    p = run(['train.py', 'config/released.py', '--device=cpu', '--model=/nonexistent/HunyuanVideo',
+             f'--out_dir={tmp_path / "rel"}'], check=False)
+    assert p.returncode != 0 and 'config error' not in p.stdout + p.stderr
+    assert 'hf download' in p.stdout + p.stderr, p.stderr[-2000:]

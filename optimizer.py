@@ -1,0 +1,88 @@
+"""
+The optimizer of the policy: AdamW, or the released code's Muon + AdamW split (its default).
+
+    optimizers = build(policy, 'muon', lr=1e-5, weight_decay=0.01)   # a list of torch optimizers
+    for o in optimizers: o.step()
+
+Muon (torch.optim.Muon) for every trainable 2-D weight matrix: the Nesterov momentum of the
+gradient is orthogonalised by 5 Newton-Schulz iterations (U S V^T -> ~U V^T, in bf16) and applied
+with lr * 0.2 * sqrt(max(rows, cols)) (torch's adjust_lr_fn='match_rms_adamw' is exactly the rule of
+the released HunyuanVideo-1.5 hyvideo/optim/muon.py, adjust_lr_for_muon), decoupled weight decay
+lr * wd. AdamW, betas (0.95, 0.95), eps 1e-8 (the released Muon's "AdamW backup"), for the rest:
+biases and norm gains (0-D/1-D). Matrices include the embedders (patch/text/time projections,
+cond_type_embed) and the final projection proj_out, as the released split (ndim >= 2) does.
+
+FSDP2: Newton-Schulz needs the whole matrix, and FSDP2's gradient is a Shard(0) DTensor (rows split
+over ranks). Muon.step below keeps the momentum sharded (an elementwise update), gathers the
+whole momentum matrix (full_tensor: one all-gather per matrix), orthogonalises it on every rank and
+keeps its own rows (distribute_tensor with src_data_rank=None: a local slice, no communication).
+The released code does the same (full_tensor, then DTensor.from_local, replicated). torch.optim.Muon
+as shipped also runs on DTensors, through DTensor's op dispatch (collectives inside each of the 5
+iterations), but its result differed from the whole-matrix one by up to 1.4e-2 on entries of ~0.1
+(a 16x64 bf16 test on 2 ranks), and tests/test_optimizer.py shows its weights diverge. Cost per
+optimizer step and rank: an all-gather of every 2-D gradient in fp32 (the volume of FSDP's own
+weight all-gather, ~4 bytes x parameters) and the Newton-Schulz flops of the whole model, repeated
+on every rank (not split across ranks); measured on the toy: results/README.md section 4.
+
+Where this differs from the released code and why:
+- torch.optim.Muon accepts 2-D matrices only: a >2-D weight (HunyuanVideo's Conv3d patch embedder
+  x_embedder.proj, 0.2% of the toy's weights) goes to AdamW; the released code flattens it into Muon.
+- torch's momentum is an EMA (buf.lerp_(g, 1 - mu)); the released one is a sum (buf = mu buf + g).
+  The two differ by the factor 1 - mu, which the Newton-Schulz normalisation removes (up to eps).
+- a matrix without a gradient is skipped (torch); the released Muon steps it with a zero gradient
+  (decay and momentum keep moving it).
+
+Tested by: python -m pytest tests/test_optimizer.py   (2 FSDP ranks vs one process, torchrun on CPU)
+"""
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+KINDS = ('muon', 'adamw')  # the `optimizer` setting of train.py
+MOMENTUM = 0.95            # Muon's Nesterov momentum (released default)
+ADAMW_BETAS = (0.95, 0.95)  # betas of the AdamW part of the muon setting (the released Muon's backup)
+ADAMW_EPS = 1e-8           # eps of that AdamW part
+ADJUST_LR = 'match_rms_adamw'  # lr * 0.2 * sqrt(max(A, B)): the released adjust_lr_for_muon
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon whose Newton-Schulz step sees the whole matrix under FSDP2 (see above)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            mu = group['momentum']
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if 'momentum_buffer' not in state:
+                    state['momentum_buffer'] = torch.zeros_like(p.grad)  # sharded like the gradient
+                buf = state['momentum_buffer']
+                buf.lerp_(p.grad, 1 - mu)  # elementwise: on the local shard
+                update = p.grad.lerp(buf, mu) if group['nesterov'] else buf
+                if isinstance(update, DTensor):  # gather the matrix, orthogonalise, keep our rows
+                    full = _zeropower_via_newtonschulz(update.full_tensor(), group['ns_coefficients'],
+                                                       group['ns_steps'], group['eps'])
+                    ortho = distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+                else:
+                    ortho = _zeropower_via_newtonschulz(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
+                p.mul_(1 - group['lr'] * group['weight_decay'])  # decoupled decay with the plain lr
+                p.add_(ortho, alpha=-_adjust_lr(group['lr'], group['adjust_lr_fn'], p.shape))  # (A, B): global
+        return None
+
+
+def build(model, kind, lr, weight_decay):
+    """A list of torch optimizers over the model's trainable parameters (call after FSDP sharding)."""
+    if kind not in KINDS:
+        raise SystemExit(f'optimizer must be one of {KINDS}, got {kind!r}')
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == 'adamw':
+        return [torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)]
+    matrices = [p for p in params if p.ndim == 2]
+    rest = [p for p in params if p.ndim != 2]  # biases, norm gains; >2-D kernels (see the docstring)
+    out = [Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=MOMENTUM, nesterov=True,
+                adjust_lr_fn=ADJUST_LR)] if matrices else []
+    if rest:
+        out.append(torch.optim.AdamW(rest, lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=weight_decay))
+    return out
