@@ -1,0 +1,409 @@
+"""
+HunyuanVideo 1.5 (8.3B) at full size without a GPU: per-GPU memory by category and FLOPs of one
+training micro-step and one rollout forward, measured by torch on fake tensors (real shapes and
+dtypes, no storage), and a ready check for the day GPUs are at hand.
+
+    python bench_fullsize.py                           # the estimate, ~3-5 min on 2 cores -> results/fullsize.{md,json}
+    python bench_fullsize.py --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance
+    torchrun --nproc_per_node=8 bench_fullsize.py --gpu   # all GPUs: a full fine-tune micro-step (FSDP2)
+    python bench_fullsize.py --gpu --tiny --device=cpu    # the check at tiny size on a CPU (tests/test_fullsize.py)
+
+How the estimate measures: the transformer is built from its config (data:
+assets/hunyuanvideo15_480p_t2v_transformer.json, the diffusers class defaults) on the meta device,
+sharded with model.shard (the trainer's FSDP2 layout: every block, then the root; bf16 params, fp32
+reduce) over a fake process group of 8 ranks played by this one process, and materialised as fake
+tensors. One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
+weights swapped in, the policy's forward with both CFG branches and grad, backward with per-block
+checkpointing, then clip + AdamW), under FSDPMemTracker (bytes by category: sharded / gathered
+params, grads, optimizer state, activations, backward temporaries) and FlopCounterMode.
+
+Where it knowingly differs from a GPU run, and why:
+- Attention: on a CPU, scaled_dot_product_attention would take the math path and materialise the
+  (S, S) weights. A GPU runs bf16 attention with a boolean mask on the memory-efficient kernel
+  (flash takes no mask); torch first turns the mask into an additive bf16 bias padded to a multiple
+  of 16 columns. gpu_attention() does exactly that and calls that kernel's own op, whose fake
+  kernel allocates what the CUDA kernel does (output + float32 logsumexp, bias saved for backward);
+  FlopCounterMode counts it (4*B*S^2*h forward, 2.5x that backward).
+- The token reorder in diffusers' forward (boolean indexing, torch.all(image_embeds == 0)) has a
+  data-dependent shape that fake tensors refuse; transformer() concatenates the same text tokens in
+  another order instead: same shapes, bytes and FLOPs (tests check it gives diffusers' velocity).
+- Autocast is CPU autocast (bf16) standing in for CUDA autocast; AdamW is forced to foreach, the
+  GPU default (its temporaries are part of the optimizer-step peak).
+- The PPO/KL loss is written inline (elementwise on latents, negligible bytes): sde.step's
+  Python-side branch on the noise std is a data-dependent bool.
+- What is not measured: the CUDA caching allocator's fragmentation, NCCL buffers, the CUDA context
+  (~0.5-1 GB); the VAE decoder's and VideoAlign's activations (their weights are counted).
+"""
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+sys.argv = [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv]  # bare flags
+from configurator import configure  # noqa: E402
+from model import IMAGE_TOKENS, _cat_text, shard  # noqa: E402
+from trust_region import Anchor  # noqa: E402
+
+# ----------------------------------------------------------------------------- settings
+gpu = False                     # --gpu: the ready check on real devices instead of the estimate
+tiny = False                    # --tiny: the check with a small random transformer (tests)
+device = 'cuda'                 # device of the check
+out_dir = 'results'             # the estimate writes fullsize.md and fullsize.json here
+model_config = 'assets/hunyuanvideo15_480p_t2v_transformer.json'  # the 8.3B transformer (class defaults)
+gpus = 8                        # FSDP ranks of the full fine-tune
+num_frames = 81                 # frames per clip -> 21 latent frames
+sizes = ((352, 624), (480, 848))  # the paper's rollout resolution, and the model's native 480p
+text_tokens = (1000, 256)       # Qwen and ByT5 tokens, the upper bound (model.velocity trims padding)
+cfg_branches = 2                # CFG 6: conditional and unconditional branch in one batch
+rollout_batch = 4               # clips per rollout forward and rank (train.py)
+clips = 32                      # clips per iteration: 8 prompts x G = 4 (train.py)
+num_steps = 20                  # rollout steps, all trained (train.py)
+lora_rank = 64                  # config/lora_1gpu.py
+lora_sizes = ((81, 352, 624), (61, 352, 624), (41, 352, 624), (81, 288, 512))  # tried in order until one fits
+gpu_gb = 80.0                   # memory of one GPU (H100 80 GB; an H200 has 141)
+tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for time on paper (~40% of H100 dense peak)
+vae_config = {}                 # AutoencoderKLHunyuanVideo15 class defaults = the published VAE
+videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
+seed = 0
+config = configure(globals())
+# -----------------------------------------------------------------------------
+GiB = 2 ** 30
+
+
+def load_config(path=model_config):
+    with open(path) as f:
+        return {k: v for k, v in json.load(f).items() if not k.startswith('_')}
+
+
+def build(cfg, lora=0, checkpointing=True):
+    """The transformer on the meta device (no memory); LoRA adapters as model.load_policy adds them."""
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    with torch.device('meta'):
+        model = T.from_config(cfg)
+        if lora:
+            from peft import LoraConfig
+            from model import LORA_TARGETS
+            model.requires_grad_(False)
+            model.add_adapter(LoraConfig(r=lora, lora_alpha=lora, target_modules=LORA_TARGETS))
+    if checkpointing:
+        model.enable_gradient_checkpointing()  # non-reentrant torch.utils.checkpoint per block
+    return model
+
+
+# ----------------------------------------------------------------------------- forward
+
+def transformer(model, hidden, timestep, e1, m1, e2, m2, image):
+    """diffusers 0.42's HunyuanVideo15Transformer3DModel.forward for t2v, with the text tokens in a
+    fixed order: [ByT5 (invalid zeroed), Qwen (invalid zeroed), image (masked out)]. Returns the
+    velocity (B, C, F, H, W). hidden (B, 2C+1, F, H, W), e1 (B, L1, D1), e2 (B, L2, D2)."""
+    B, _, Fr, H, W = hidden.shape
+    assert model.config.patch_size == 1 and model.config.patch_size_t == 1
+    rope = model.rope(hidden)                                            # (cos, sin), each (V, head_dim)
+    temb = model.time_embed(timestep)                                    # (B, h)
+    x = model.x_embedder(hidden)                                         # (B, V, h)
+    cond = lambda t, k: t + model.cond_type_embed(torch.full_like(t[:, :, 0], k, dtype=torch.long))
+    t1 = cond(model.context_embedder(e1, timestep, m1), 0)              # (B, L1, h)
+    t2 = cond(model.context_embedder_2(e2), 1)                          # (B, L2, h)
+    t3 = cond(model.image_embedder(image) * 0.0, 2)                     # (B, I, h) t2v: zeros, masked
+    text = torch.cat([t2 * m2[..., None].to(t2.dtype), t1 * m1[..., None].to(t1.dtype), t3], 1)  # (B, T, h)
+    mask = torch.cat([m2.bool(), m1.bool(), torch.zeros_like(t3[:, :, 0], dtype=torch.bool)], 1)  # (B, T)
+    for block in model.transformer_blocks:
+        if torch.is_grad_enabled() and model.gradient_checkpointing:
+            x, text = model._gradient_checkpointing_func(block, x, text, temb, mask, rope)
+        else:
+            x, text = block(x, text, temb, mask, rope)
+    x = model.proj_out(model.norm_out(x, temb))                          # (B, V, C)
+    return x.view(B, Fr, H, W, -1).permute(0, 4, 1, 2, 3)               # (B, C, F, H, W)
+
+
+def velocity(model, x, s, text, text_neg, bf16):
+    """model.velocity with CFG (model.forward is transformer() above); x (B, C, F, h, w) float32."""
+    B = x.shape[0]
+    x, s = torch.cat([x, x]), torch.cat([s, s])                         # (2B, ...) both branches
+    e1, m1, e2, m2 = _cat_text(text, text_neg)
+    hidden = torch.cat([x, torch.zeros_like(x), x.new_zeros(2 * B, 1, *x.shape[2:])], 1)
+    image = x.new_zeros(2 * B, IMAGE_TOKENS, model.config.image_embed_dim)
+    with torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+        v = model(hidden, 1000 * s, e1, m1, e2, m2, image).float()     # (2B, C, F, h, w)
+    return v[B:] + 6.0 * (v[:B] - v[B:])                                 # (B, ...) guided
+
+
+def gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    """torch's CUDA scaled_dot_product_attention for this call (bf16, boolean mask, head dim 128):
+    the memory-efficient kernel, the mask converted to an additive bias of q's dtype (a where over
+    the negated mask) and padded to 16-column alignment; q, k, v (B, heads, S, d)."""
+    q, k, v = query, key, value
+    if torch.is_autocast_enabled(q.device.type):  # CUDA autocast runs attention in bf16
+        q, k, v = (t.to(torch.get_autocast_dtype(q.device.type)) for t in (q, k, v))
+    bias = None
+    if attn_mask is not None:
+        bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(attn_mask.logical_not(), float('-inf'))       # (B, 1, S, S) the (B, S, S) cost
+        S = bias.shape[-1]
+        if S % 16:  # the kernel wants aligned rows: a padded copy, sliced back
+            bias = F.pad(bias, (0, 16 - S % 16))[..., :S]
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, lse, dropout_p, is_causal, scale=scale)[0]      # (B, heads, S, d)
+
+
+@contextmanager
+def attention(kind):
+    """'gpu': gpu_attention in place of F.scaled_dot_product_attention (diffusers' native backend
+    calls it through the module); 'math': the math kernel, what a CPU runs (the validation test)."""
+    if kind == 'math':
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+        return
+    orig = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = gpu_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+# ----------------------------------------------------------------------------- the micro-step
+
+def inputs(cfg, n, Fr, H, W, L1, L2, dev):
+    """One rank's stored rollout of n clips (xs, means) and the text of one micro-batch."""
+    C, f, h, w = cfg['out_channels'], (Fr - 1) // 4 + 1, H // 16, W // 16
+    store = dict(xs=torch.randn(n, num_steps + 1, C, f, h, w, device=dev),   # float32, as sample() keeps
+                 means=torch.randn(n, num_steps, C, f, h, w, device=dev))
+    text = lambda: [torch.randn(1, L1, cfg['text_embed_dim'], device=dev), torch.ones(1, L1, device=dev),
+                    torch.randn(1, L2, cfg['text_embed_2_dim'], device=dev), torch.ones(1, L2, device=dev)]
+    return store, text(), text()
+
+
+def train_step(model, anchor, opt, store, text, text_neg, bf16, phase):
+    """step_losses + backward for one clip at one step, then clip + AdamW; phase(name) is called
+    after each part (the caller records peaks and FLOPs there)."""
+    x, prev, mean_old = store['xs'][:1, 3], store['xs'][:1, 4], store['means'][:1, 3]  # (1, C, f, h, w)
+    s = torch.full((1,), 0.9, device=x.device)
+    dt, std, A, logp_old = -0.05, 0.1, 1.0, 0.0  # constants: fake tensors cannot branch on values
+    with torch.no_grad(), anchor.applied(model):  # the anchor first, without grad (train.py's order)
+        mean_anchor = x + dt * velocity(model, x, s, text, text_neg, bf16)
+    phase('anchor forward')
+    mean = x + dt * velocity(model, x, s, text, text_neg, bf16)         # (1, C, f, h, w) float32
+    logp = (-(prev - mean) ** 2 / (2 * std ** 2)).flatten(1).mean(1)
+    ratio = torch.exp(logp - logp_old)
+    policy = torch.maximum(-A * ratio, -A * ratio.clamp(1 - 1e-4, 1 + 1e-4))
+    kl = ((mean - mean_anchor) ** 2 + 0.1 * (mean - mean_old) ** 2).flatten(1).mean(1) / (2 * std ** 2)
+    loss = (policy + 1e-5 * kl).sum()
+    phase('policy forward')
+    loss.backward()
+    phase('backward')
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0, foreach=True)
+    phase('clip')
+    opt.step()
+    phase('optimizer step')
+
+
+def rollout_step(model, store, text, text_neg, n, bf16, phase):
+    """One sampling forward of n clips with CFG (2n in the batch), no grad."""
+    x = store['xs'][:n, 0]                                               # (n, C, f, h, w)
+    with torch.no_grad():
+        velocity(model, x, torch.ones(n, device=x.device), [t.expand(n, *t.shape[1:]) for t in text],
+                 [t.expand(n, *t.shape[1:]) for t in text_neg], bf16)
+    phase('rollout forward')
+
+
+def setup(model, dev):
+    """Steady state before a micro-step: AdamW state exists, gradients of earlier micro-steps are
+    accumulated (train.py zeroes them only at the start of an optimizer step), and after an update
+    they stay allocated through the next rollout."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, foreach=True)  # foreach: the CUDA default
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)  # full, not zeros: written pages (the real-RSS test counts them)
+    opt.step()
+    return opt
+
+
+class FlopCount(TorchDispatchMode):
+    """FlopCounterMode's per-op formulas (matmuls, convolutions, attention) without its module
+    hooks, which keep every checkpointed block's recomputed activations alive through backward
+    (measured: +37% peak on the test config, real tensors, RSS)."""
+    total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # count the local ops DTensor runs
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in flop_registry:
+            self.total += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+def snap(tracker, kind='current'):
+    s = tracker.get_tracker_snapshot(kind)  # {device: {category: bytes, 'Total': bytes}}, one device here
+    return next(iter(s.values()), {})
+
+
+def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16=True, n_store=None, L=None,
+            rollout_n=rollout_batch):
+    """Peak bytes per rank by category and FLOPs of one micro-step ('train') or one rollout forward
+    ('rollout'). world > 0: FSDP2 over a fake process group of `world` ranks (fake=True only)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    t0 = time.time()
+    torch.manual_seed(seed)
+    L1, L2 = L or text_tokens
+    n_store = n_store if n_store is not None else clips // max(world, 1)
+    mesh = None
+    if world:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group('fake', rank=0, world_size=world, store=FakeStore())
+        mesh = init_device_mesh('cpu', (world,))  # before the fake mode: a mesh of real ranks
+    model = build(cfg, lora)
+    model.forward = partial(transformer, model)  # called as model(...): FSDP's root hooks gather its weights
+    P = sum(p.numel() for p in model.parameters())
+    P_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if world:
+        shard(model, cuda=bf16, mesh=mesh)  # cuda=bf16: the GPU's mixed-precision policy
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    if fake and world:
+        # DTensor infers output shapes by running each op on global-shape fake tensors, in the fake
+        # mode it finds active, and caches them: under ours the trackers would count those
+        # (unsharded, never freed) tensors as memory. A mode of its own keeps them out, as on a GPU.
+        import torch.distributed.tensor._sharding_prop as sharding_prop
+        prop_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        sharding_prop.detect_fake_mode = lambda *a, **k: prop_mode
+    res = dict(what=what, frames=Fr, height=H, width=W, world=world, lora=lora, P=P, P_trainable=P_train,
+               tokens=((Fr - 1) // 4 + 1) * (H // 16) * (W // 16), text=L1 + L2 + IMAGE_TOKENS, phases={})
+    with mode, attention(attn):
+        model.to_empty(device='cpu')
+        if not fake:  # real weights: small random values written to every page
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, 0.02)
+        opt = setup(model, 'cpu')
+        tracker = FSDPMemTracker(model, opt) if world else MemTracker()
+        if not world:
+            tracker.track_external(model, opt)
+        flops = FlopCount()
+        with tracker, flops:
+            base = snap(tracker).get('Total', 0)
+            anchor = Anchor(model, 'dual')  # a frozen sharded fp32 copy of the trainable weights
+            mid = snap(tracker)['Total']
+            store, text, text_neg = inputs(cfg, max(n_store, rollout_n), Fr, H, W, L1, L2, 'cpu')
+            resident = dict(anchor=mid - base, store=snap(tracker)['Total'] - mid)
+            last = [0]
+
+            def phase(name):  # peak of this part by category, and its FLOPs
+                f = flops.total
+                res['phases'][name] = dict(peak={k: v for k, v in snap(tracker, 'peak').items() if v}, flops=f - last[0],
+                                           after={k: v for k, v in snap(tracker).items() if v})
+                last[0] = f
+                tracker._peak_mem_snap = tracker.get_tracker_snapshot()  # restart the peak (private API)
+                tracker._peak_mem = {d: s['Total'] for d, s in tracker._peak_mem_snap.items()}
+                if name == 'anchor forward':  # FSDPMemTracker's module stats allow one forward per module
+                    tracker.reset_mod_stats()
+            if what == 'train':
+                train_step(model, anchor, opt, store, text, text_neg, bf16, phase)
+            else:
+                rollout_step(model, store, text, text_neg, rollout_n, bf16, phase)
+    res['resident'] = resident
+    top = max(res['phases'].values(), key=lambda r: r['peak']['Total'])
+    res['peak'] = top['peak']
+    res['peak_phase'] = next(k for k, r in res['phases'].items() if r is top)
+    res['seconds'] = time.time() - t0
+    if world:
+        dist.destroy_process_group()
+    return res
+
+
+def rss_run(cfg, what, Fr, H, W, **kw):
+    """measure() on real tensors (run it in a fresh process): the growth of the process's peak
+    resident memory over the run, to compare with the fake-tensor peak (tests/test_fullsize.py)."""
+    import resource
+    with open('/proc/self/status') as f:
+        base = next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmRSS'))
+    res = measure(cfg, what, Fr, H, W, fake=False, **kw)
+    res['rss_growth'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return res
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+def formula(P, P_blk, L, h, V, T):
+    """bench.py section 5's formulas (bytes per GPU of 8, FLOPs of one CFG branch of one clip)."""
+    S = V + T
+    return dict(params=4 * P / 8, grads=4 * P / 8, optimizer=8 * P / 8, anchor=4 * P / 8, gathered=2 * 2 * P_blk,
+                activations=2 * 2 * S * h * L + 2 * 2 * S * h * 16 + 2 * S * S, F=2 * P * V + 4 * L * S * S * h)
+
+
+def categories(r):
+    """Peak bytes by category, in this report's words (anchor and stored rollout split off the
+    tracker's 'Activation', where tensors made inside the tracked region land)."""
+    p, res = {str(getattr(k, 'value', k)): v for k, v in r['peak'].items()}, r['resident']
+    out = {'params (fp32 master)': p.get('Sharded Param', p.get('Parameter', 0)),
+           'gathered params (bf16)': p.get('Unsharded Param', 0) + p.get('All Gather', 0),
+           'grads (fp32)': p.get('Sharded Grad', p.get('Gradient', 0)) + p.get('Unsharded Grad', 0),
+           'reduce-scatter buffers': p.get('Reduce Scatter', 0),
+           'optimizer (AdamW)': p.get('OptState', p.get('Optstate', 0)),
+           'anchor (fp32)': res['anchor'], 'stored rollout (fp32)': res['store'],
+           'activations': p.get('Activation', 0) - res['anchor'] - res['store'],
+           'backward temporaries': p.get('Temp', 0)}
+    out['total'] = p['Total']
+    return out
+
+
+def estimate():
+    from diffusers import AutoencoderKLHunyuanVideo15
+    cfg, t0 = load_config(), time.time()
+    with torch.device('meta'):
+        vae_P = sum(p.numel() for p in AutoencoderKLHunyuanVideo15(**vae_config).parameters())
+    extras = {'VAE (bf16)': 2 * vae_P, 'VideoAlign (bf16)': 2 * videoalign_params}
+    runs = []
+    for H, W in sizes:
+        for what in ('train', 'rollout'):
+            runs.append(measure(cfg, what, num_frames, H, W))
+            print(f'[{time.time() - t0:5.0f}s] {what} {H}x{W}: {runs[-1]["peak"]["Total"] / GiB:.1f} GiB', flush=True)
+    for Fr, H, W in lora_sizes:  # config/lora_1gpu.py: 2 prompts x G 4 = 8 clips, rollout_batch 1
+        r = measure(cfg, 'train', Fr, H, W, world=0, lora=lora_rank, n_store=8, rollout_n=1)
+        runs.append(r)
+        r['fits'] = (r['peak']['Total'] + sum(extras.values())) / GiB <= gpu_gb
+        print(f'[{time.time() - t0:5.0f}s] LoRA {Fr}x{H}x{W}: {r["peak"]["Total"] / GiB:.1f} GiB', flush=True)
+        if r['fits']:
+            runs.append(measure(cfg, 'rollout', Fr, H, W, world=0, lora=lora_rank, n_store=8, rollout_n=1))
+            break
+    blk = build(cfg, checkpointing=False)
+    P_blk, L, h = sum(p.numel() for p in blk.transformer_blocks[0].parameters()), cfg['num_layers'], \
+        cfg['num_attention_heads'] * cfg['attention_head_dim']
+    for r in runs:
+        r['categories'] = categories(r)
+        r['formula'] = formula(r['P'], P_blk, L, h, r['tokens'], r['text'])
+    out = dict(config=config, extras=extras, runs=runs, seconds=time.time() - t0, torch=torch.__version__)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'fullsize.json'), 'w') as f:
+        json.dump(out, f, indent=1, default=str)
+    with open(os.path.join(out_dir, 'fullsize.md'), 'w') as f:
+        f.write(report(out) + '\n')
+    print(f'wrote {out_dir}/fullsize.md and fullsize.json in {time.time() - t0:.0f}s')
+
+
+def report(out):
+    return '(report pending)'
+
+
+if __name__ == '__main__':
+    if gpu:
+        check()
+    else:
+        estimate()
