@@ -48,13 +48,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-sys.argv = [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv]  # bare flags
-from configurator import configure  # noqa: E402
-from model import IMAGE_TOKENS, _cat_text, shard  # noqa: E402
-from trust_region import Anchor  # noqa: E402
+from configurator import configure
+from model import IMAGE_TOKENS, _cat_text, shard
+from trust_region import Anchor
 
 # ----------------------------------------------------------------------------- settings
 gpu = False                     # --gpu: the ready check on real devices instead of the estimate
+report_only = False            # rewrite fullsize.md from fullsize.json (no measuring)
+only = ''                       # measure only these runs (comma list of train, rollout, lora; '' = all)
+reuse = False                   # take runs already measured from out_dir/fullsize_runs/ (parallel parts)
 tiny = False                    # --tiny: the check with a small random transformer (tests)
 device = 'cuda'                 # device of the check
 out_dir = 'results'             # the estimate writes fullsize.md and fullsize.json here
@@ -74,7 +76,9 @@ tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for ti
 vae_config = {}                 # AutoencoderKLHunyuanVideo15 class defaults = the published VAE
 videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
 seed = 0
-config = configure(globals())
+# bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
+config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
+                   if __name__ == '__main__' else [])
 # -----------------------------------------------------------------------------
 GiB = 2 ** 30
 
@@ -370,19 +374,29 @@ def estimate():
     with torch.device('meta'):
         vae_P = sum(p.numel() for p in AutoencoderKLHunyuanVideo15(**vae_config).parameters())
     extras = {'VAE (bf16)': 2 * vae_P, 'VideoAlign (bf16)': 2 * videoalign_params}
-    runs = []
-    for H, W in sizes:
-        for what in ('train', 'rollout'):
-            runs.append(measure(cfg, what, num_frames, H, W))
-            print(f'[{time.time() - t0:5.0f}s] {what} {H}x{W}: {runs[-1]["peak"]["Total"] / GiB:.1f} GiB', flush=True)
+    os.makedirs(os.path.join(out_dir, 'fullsize_runs'), exist_ok=True)
+
+    def run(key, *args, **kw):  # one measurement, kept in fullsize_runs/ (--reuse: read back)
+        path = os.path.join(out_dir, 'fullsize_runs', key + '.json')
+        if reuse and os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        if only and key.split('_')[0] not in only.split(','):
+            return None
+        r = measure(cfg, *args, **kw)
+        with open(path, 'w') as f:
+            json.dump(r, f, indent=1, default=str)
+        print(f'[{time.time() - t0:5.0f}s] {key}: peak {r["peak"]["Total"] / GiB:.1f} GiB', flush=True)
+        return r
+    runs = [run(f'{what}_{H}x{W}', what, num_frames, H, W) for H, W in sizes for what in ('train', 'rollout')]
     for Fr, H, W in lora_sizes:  # config/lora_1gpu.py: 2 prompts x G 4 = 8 clips, rollout_batch 1
-        r = measure(cfg, 'train', Fr, H, W, world=0, lora=lora_rank, n_store=8, rollout_n=1)
+        r = run(f'lora_train_{Fr}x{H}x{W}', 'train', Fr, H, W, world=0, lora=lora_rank, n_store=8, rollout_n=1)
         runs.append(r)
-        r['fits'] = (r['peak']['Total'] + sum(extras.values())) / GiB <= gpu_gb
-        print(f'[{time.time() - t0:5.0f}s] LoRA {Fr}x{H}x{W}: {r["peak"]["Total"] / GiB:.1f} GiB', flush=True)
-        if r['fits']:
-            runs.append(measure(cfg, 'rollout', Fr, H, W, world=0, lora=lora_rank, n_store=8, rollout_n=1))
+        if r is None or (r['peak']['Total'] + sum(extras.values())) / GiB <= gpu_gb:
+            runs.append(run(f'lora_rollout_{Fr}x{H}x{W}', 'rollout', Fr, H, W, world=0, lora=lora_rank, n_store=8,
+                            rollout_n=1))
             break
+    runs = [r for r in runs if r is not None]
     blk = build(cfg, checkpointing=False)
     P_blk, L, h = sum(p.numel() for p in blk.transformer_blocks[0].parameters()), cfg['num_layers'], \
         cfg['num_attention_heads'] * cfg['attention_head_dim']
@@ -395,15 +409,204 @@ def estimate():
         json.dump(out, f, indent=1, default=str)
     with open(os.path.join(out_dir, 'fullsize.md'), 'w') as f:
         f.write(report(out) + '\n')
+    if not only:
+        update_readme(out)
     print(f'wrote {out_dir}/fullsize.md and fullsize.json in {time.time() - t0:.0f}s')
 
 
+def table(head, rows):
+    return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] +
+                     ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])
+
+
+def summary(out):
+    """The README's block: each run's measured peak per GPU next to the formula's total."""
+    runs, extras = out['runs'], sum(out['extras'].values())
+    rows = [[f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}',
+             r['what'], f'{r["frames"]}x{r["height"]}x{r["width"]}', f'{r["categories"]["total"] / GiB:.1f}',
+             f'{(r["categories"]["total"] + extras) / GiB:.1f}',
+             f'{sum(v for k, v in r["formula"].items() if k != "F") / GiB:.1f}' if r['world'] and r['what'] == 'train' else '',
+             r['peak_phase']] for r in runs]
+    return table(['setup', 'run', 'frames x H x W', 'peak GiB/GPU (transformer)', '+ VAE, VideoAlign',
+                  'old formula', 'peak in'], rows)
+
+
+def update_readme(out, path='README.md'):
+    begin, end = '<!-- bench_fullsize.py: begin -->', '<!-- bench_fullsize.py: end -->'
+    with open(path) as f:
+        text = f.read()
+    if begin in text and end in text:
+        a, b = text.index(begin) + len(begin), text.index(end)
+        with open(path, 'w') as f:
+            f.write(text[:a] + '\n' + summary(out) + '\n' + text[b:])
+
+
 def report(out):
-    return '(report pending)'
+    """results/fullsize.md: what the README and bench.py's section 5 quote."""
+    runs, extras, c = out['runs'], out['extras'], out['config']
+    name = lambda r: (f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}: '
+                      f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]}')
+    g = lambda b: f'{b / GiB:.1f}'
+    P = runs[0]['P']
+    md = ['## HunyuanVideo 1.5 at full size: per-GPU memory and FLOPs, measured by torch', '',
+          f'Written by `python bench_fullsize.py` (torch {out["torch"]}, {out["seconds"]:.0f} s on this CPU); raw numbers: '
+          f'fullsize.json. Transformer: {P / 1e9:.3f} B parameters (`{c["model_config"]}`, the diffusers class defaults). '
+          'Each run executes one training micro-step as train.py does (anchor forward without grad, policy forward with '
+          'both CFG branches, backward with per-block checkpointing, clip + AdamW) or one rollout forward '
+          f'({c["rollout_batch"]} clips x 2 CFG branches for FSDP, 1 clip for LoRA), on fake tensors, with FSDP2 applied by '
+          'model.shard over a fake process group, bf16 compute; memory by FSDPMemTracker / MemTracker, FLOPs by '
+          "FlopCounterMode's formulas. Attention is dispatched as on a GPU (memory-efficient kernel, the boolean mask "
+          'as a padded bf16 bias). Steady state: AdamW state and accumulated gradients exist before the step. '
+          f'Text {sum(c["text_tokens"])} + 1 tokens (upper bound). Not included: CUDA context, allocator fragmentation, '
+          'NCCL buffers, VAE/VideoAlign activations.', '',
+          '### Peak memory per GPU (GiB), by category, at the peak of each run', '']
+    cats = list(runs[0]['categories'])
+    rows = [[k] + [g(r['categories'][k]) for r in runs] for k in cats]
+    rows.append(['peak phase'] + [r['peak_phase'] for r in runs])
+    for k, v in extras.items():
+        rows.append([f'+ resident {k}'] + [g(v)] * len(runs))
+    rows.append(['**total with resident extras**'] + [f'**{g(r["categories"]["total"] + sum(extras.values()))}**' for r in runs])
+    md += [table(['GiB'] + [name(r) for r in runs], rows), '']
+    md += ['### Against bench.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
+    for r in [r for r in runs if r['world'] and r['what'] == 'train']:
+        m, f = r['categories'], r['formula']
+        rows = [['params fp32', g(m['params (fp32 master)']), g(f['params'])],
+                ['grads fp32', g(m['grads (fp32)']), g(f['grads'])],
+                ['AdamW', g(m['optimizer (AdamW)']), g(f['optimizer'])],
+                ['anchor fp32', g(m['anchor (fp32)']), g(f['anchor'])],
+                ['gathered bf16 blocks (+ all-gather / reduce-scatter buffers)',
+                 g(m['gathered params (bf16)'] + m['reduce-scatter buffers']), g(f['gathered'])],
+                ['activations + backward temporaries', g(m['activations'] + m['backward temporaries']), g(f['activations'])],
+                ['total (without the stored rollout and extras)', g(m['total'] - m['stored rollout (fp32)']),
+                 g(sum(v for k, v in f.items() if k != 'F'))]]
+        md += [f'{name(r)} (peak in the {r["peak_phase"]}):', '', table(['GiB per GPU', 'measured', 'formula'], rows), '']
+    md += ['### FLOPs (TFLOP per micro-step or forward, per GPU)', '']
+    rows = []
+    for r in runs:
+        ph, F = r['phases'], r['formula']['F']
+        if r['what'] == 'train':
+            rows.append([name(r), f'{ph["anchor forward"]["flops"] / 1e12:.0f}', f'{ph["policy forward"]["flops"] / 1e12:.0f}',
+                         f'{ph["backward"]["flops"] / 1e12:.0f}', f'{2 * F / 1e12:.0f} / {6 * F / 1e12:.0f}'])
+        else:
+            n = 2 * (c['rollout_batch'] if r['world'] else 1)
+            rows.append([name(r), '', f'{ph["rollout forward"]["flops"] / 1e12:.0f}', '', f'{n * F / 1e12:.0f}'])
+    md += [table(['run', 'anchor fwd', 'forward', 'backward (+ recompute)', 'formula fwd / bwd'], rows), '']
+    md += [f'### One iteration on paper ({c["clips"]} clips, {c["num_steps"]} steps all trained, at an assumed '
+           f'{c["tflops"]:.0f} TFLOP/s sustained per GPU)', '']
+    rows = []
+    for H, W in c['sizes']:
+        tr = next((r for r in runs if r['world'] and r['what'] == 'train' and (r['height'], r['width']) == (H, W)), None)
+        ro = next((r for r in runs if r['world'] and r['what'] == 'rollout' and (r['height'], r['width']) == (H, W)), None)
+        if not (tr and ro):
+            continue
+        per_rank = c['clips'] // tr['world']
+        f_roll = per_rank / c['rollout_batch'] * c['num_steps'] * ro['phases']['rollout forward']['flops']
+        f_upd = per_rank * c['num_steps'] * sum(tr['phases'][k]['flops'] for k in ('anchor forward', 'policy forward', 'backward'))
+        rows.append([f'{H}x{W}', f'{f_roll / 1e15:.0f}', f'{f_upd / 1e15:.0f}', f'{f_upd / f_roll:.1f}',
+                     f'{(f_roll + f_upd) / (c["tflops"] * 1e12) / 3600:.2f}'])
+    md += [table(['size', 'rollout PFLOP/GPU', 'update PFLOP/GPU', 'update/rollout', 'hours/iteration'], rows)]
+    return '\n'.join(md)
+
+
+# ----------------------------------------------------------------------------- the GPU check
+
+TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+            num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=12,
+            rope_axes_dim=(2, 2, 4))  # SPEC 5's tiny transformer: builds in milliseconds
+
+
+def check():
+    """Real tensors, random weights of the real size (no download): under torchrun a full
+    fine-tune micro-step with FSDP2 on every rank, else a LoRA micro-step on one device; a rollout
+    forward; the PPO ratio of clips rolled out in a batch and recomputed one at a time."""
+    import resource
+    import sde
+    ddp = 'RANK' in os.environ
+    dev = device
+    if ddp:
+        dist.init_process_group('nccl' if device == 'cuda' else 'gloo')
+        if device == 'cuda':
+            dev = f'cuda:{int(os.environ["LOCAL_RANK"])}'
+            torch.cuda.set_device(dev)
+    cuda = dev.startswith('cuda')
+    master = not ddp or dist.get_rank() == 0
+    cfg = TINY if tiny else load_config()
+    Fr, H, W = (9, 64, 96) if tiny else (num_frames, *sizes[0])
+    L1, L2 = (8, 4) if tiny else text_tokens
+    torch.manual_seed(seed)
+    model = build(cfg, lora=0 if ddp else lora_rank)
+    model.forward = partial(transformer, model)
+    if ddp:
+        shard(model, cuda=cuda)
+    model.to_empty(device=dev)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)  # random weights: the cost does not depend on their values
+    opt, anchor = setup(model, dev), Anchor(model, 'dual')
+    store, text, text_neg = inputs(cfg, rollout_batch, Fr, H, W, L1, L2, dev)
+    res, t = {}, [time.time()]
+
+    def peak():  # bytes: the CUDA allocator's peak, or the process's peak RSS on a CPU
+        return torch.cuda.max_memory_allocated(dev) if cuda else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def phase(name):
+        if cuda:
+            torch.cuda.synchronize(dev)
+        res[name] = dict(seconds=time.time() - t[0], peak_gib=peak() / GiB)
+        t[0] = time.time()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    t[0] = time.time()
+    train_step(model, anchor, opt, store, text, text_neg, cuda, phase)
+    rollout_step(model, store, text, text_neg, rollout_batch, cuda, phase)
+    # batch invariance: logp of each clip's step from the batched rollout forward, then recomputed
+    # alone (as the update does); exp(difference) is the PPO ratio at theta == theta_old
+    x, s, s_next = store['xs'][:, 0], 0.9, 0.85
+    expand = lambda tx: [u.expand(rollout_batch, *u.shape[1:]) for u in tx]
+    with torch.no_grad():
+        v = velocity(model, x, torch.full((rollout_batch,), s, device=dev), expand(text), expand(text_neg), cuda)
+        st = sde.step(x, v, s, s_next, 'sage', 0.5, noise=torch.randn_like(x))
+        one = [sde.step(x[i:i + 1], velocity(model, x[i:i + 1], torch.full((1,), s, device=dev), text, text_neg,
+                                              cuda), s, s_next, 'sage', 0.5, prev=st.prev[i:i + 1]).logp
+               for i in range(rollout_batch)]
+    ratio = torch.exp(torch.cat(one) - st.logp)                         # (n,) exactly 1 if batch-invariant
+    res['ratio_distance'] = (ratio - 1).abs().max().item()
+    est = {}
+    path = os.path.join(out_dir, 'fullsize.json')
+    if not tiny and os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)['runs']
+        pick = lambda what, world: next((r for r in runs if r['what'] == what and r['world'] == world
+                                         and (r['height'], r['width']) == (H, W)), None)
+        est = {k: pick(w, dist.get_world_size() if ddp else 0) for k, w in (('train', 'train'), ('rollout', 'rollout'))}
+    if master:
+        P = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+        print(f'check on {dev} x{dist.get_world_size() if ddp else 1}: {"full fine-tune, FSDP2" if ddp else f"LoRA r{lora_rank}"}, '
+              f'~{P / 1e9:.3f}B params, {Fr}x{H}x{W}')
+        for name, r in res.items():
+            if name == 'ratio_distance':
+                continue
+            e = est.get('rollout' if 'rollout' in name else 'train')
+            e = e and e['phases'].get(name)
+            print(f'  {name:16s} {r["seconds"]:8.2f} s   peak {r["peak_gib"]:7.2f} GiB' +
+                  (f'   (estimate {e["peak"]["Total"] / GiB:.2f} GiB)' if e else ''))
+        d = res['ratio_distance']
+        print(f'  PPO ratio, batched rollout vs one clip at a time: max |ratio - 1| = {d:.2e} '
+              f'({"above" if d > 1e-4 else "within"} the clip range 1e-4)')
+        print('CHECK_JSON ' + json.dumps(res))
+    if ddp:
+        dist.destroy_process_group()
 
 
 if __name__ == '__main__':
     if gpu:
         check()
+    elif report_only:
+        with open(os.path.join(out_dir, 'fullsize.json')) as f:
+            out = json.load(f)
+        with open(os.path.join(out_dir, 'fullsize.md'), 'w') as f:
+            f.write(report(out) + '\n')
+        update_readme(out)
     else:
         estimate()
