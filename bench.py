@@ -611,14 +611,16 @@ def section4():
 def section5():
     # the full-size numbers are measured by bench_fullsize.py (fake tensors, ~30 min on 2 cores; not
     # re-run here): its markdown block is quoted as written, never retyped
-    path = os.path.join('results', 'fullsize.md')
-    if not os.path.exists(path):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'fullsize')
+    if not os.path.exists(path + '.md'):
         MD.extend(['## 5. HunyuanVideo 1.5 at full size', '', 'Run `python bench_fullsize.py` first.', ''])
         return
-    with open(path) as f:
+    with open(path + '.md') as f:
         lines = f.read().rstrip().split('\n')
-    with open(os.path.join('results', 'fullsize.json')) as f:
-        R['5'] = {k: v for k, v in json.load(f).items() if k != 'runs'}
+    with open(path + '.json') as f:
+        runs = json.load(f)['runs']
+    R['5'] = dict(P=runs[0]['P'], peak_gib={f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]} world {r["world"]}':
+                                            r['peak']['Total'] / 2 ** 30 for r in runs})
     MD.extend(['## 5. ' + lines[0][3:]] + lines[1:] + [''])
 
 

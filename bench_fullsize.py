@@ -3,7 +3,9 @@ HunyuanVideo 1.5 (8.3B) at full size without a GPU: per-GPU memory by category a
 training micro-step and one rollout forward, measured by torch on fake tensors (real shapes and
 dtypes, no storage), and a ready check for the day GPUs are at hand.
 
-    python bench_fullsize.py                           # the estimate, ~3-5 min on 2 cores -> results/fullsize.{md,json}
+    python bench_fullsize.py                           # the estimate -> results/fullsize.{md,json}, README block
+    python bench_fullsize.py --only=train & python bench_fullsize.py --only=rollout,lora; \
+        python bench_fullsize.py --reuse=True          # the same in two parallel parts, then assembled
     python bench_fullsize.py --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance
     torchrun --nproc_per_node=8 bench_fullsize.py --gpu   # all GPUs: a full fine-tune micro-step (FSDP2)
     python bench_fullsize.py --gpu --tiny --device=cpu    # the check at tiny size on a CPU (tests/test_fullsize.py)
@@ -15,7 +17,18 @@ reduce) over a fake process group of 8 ranks played by this one process, and mat
 tensors. One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
 weights swapped in, the policy's forward with both CFG branches and grad, backward with per-block
 checkpointing, then clip + AdamW), under FSDPMemTracker (bytes by category: sharded / gathered
-params, grads, optimizer state, activations, backward temporaries) and FlopCounterMode.
+params, grads, optimizer state, activations, backward temporaries) and FlopCounterMode's per-op
+formulas. A full-size run takes 5-10 min of CPU each on 2 shared cores (the tracker's bookkeeping).
+tests/test_fullsize.py checks the method: the fake-tensor peak of a small config against the peak
+resident memory of the same config run with real tensors.
+
+Two artefacts of measuring this way, removed (each would have looked like a GPU cost):
+- FlopCounterMode's module hooks keep every checkpointed block's recomputed activations alive until
+  the step ends (+36% peak on the test config, seen in real resident memory too; 291 GB at full
+  size): FlopCount below applies the same per-op formulas without module hooks.
+- DTensor computes output shapes by running ops on global-shape fake tensors in the fake mode it
+  finds active, and caches them: under our mode the trackers counted them as unsharded memory (the
+  gradient clip alone: 8x the sharded gradients). They now run in a fake mode of their own.
 
 Where it knowingly differs from a GPU run, and why:
 - Attention: on a CPU, scaled_dot_product_attention would take the math path and materialise the
@@ -23,7 +36,7 @@ Where it knowingly differs from a GPU run, and why:
   (flash takes no mask); torch first turns the mask into an additive bf16 bias padded to a multiple
   of 16 columns. gpu_attention() does exactly that and calls that kernel's own op, whose fake
   kernel allocates what the CUDA kernel does (output + float32 logsumexp, bias saved for backward);
-  FlopCounterMode counts it (4*B*S^2*h forward, 2.5x that backward).
+  its FLOP formula counts 4*B*S^2*h forward, 2.5x that backward.
 - The token reorder in diffusers' forward (boolean indexing, torch.all(image_embeds == 0)) has a
   data-dependent shape that fake tensors refuse; transformer() concatenates the same text tokens in
   another order instead: same shapes, bytes and FLOPs (tests check it gives diffusers' velocity).
@@ -40,6 +53,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -65,7 +79,6 @@ gpus = 8                        # FSDP ranks of the full fine-tune
 num_frames = 81                 # frames per clip -> 21 latent frames
 sizes = ((352, 624), (480, 848))  # the paper's rollout resolution, and the model's native 480p
 text_tokens = (1000, 256)       # Qwen and ByT5 tokens, the upper bound (model.velocity trims padding)
-cfg_branches = 2                # CFG 6: conditional and unconditional branch in one batch
 rollout_batch = 4               # clips per rollout forward and rank (train.py)
 clips = 32                      # clips per iteration: 8 prompts x G = 4 (train.py)
 num_steps = 20                  # rollout steps, all trained (train.py)
@@ -73,7 +86,6 @@ lora_rank = 64                  # config/lora_1gpu.py
 lora_sizes = ((81, 352, 624), (61, 352, 624), (41, 352, 624), (81, 288, 512))  # tried in order until one fits
 gpu_gb = 80.0                   # memory of one GPU (H100 80 GB; an H200 has 141)
 tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for time on paper (~40% of H100 dense peak)
-vae_config = {}                 # AutoencoderKLHunyuanVideo15 class defaults = the published VAE
 videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
 seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
@@ -300,6 +312,11 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         tracker = FSDPMemTracker(model, opt) if world else MemTracker()
         if not world:
             tracker.track_external(model, opt)
+        hooks = ('register_hook', 'register_post_accumulate_grad_hook')
+        saved = {h: getattr(torch.Tensor, h) for h in hooks}
+        for h in hooks * bool(lora):  # MemTracker hooks every parameter's gradient; frozen ones have none
+            setattr(torch.Tensor, h, lambda t, fn, h=h: saved[h](t, fn) if t.requires_grad else
+                    SimpleNamespace(remove=lambda: None))
         flops = FlopCount()
         with tracker, flops:
             base = snap(tracker).get('Total', 0)
@@ -322,6 +339,8 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
                 train_step(model, anchor, opt, store, text, text_neg, bf16, phase)
             else:
                 rollout_step(model, store, text, text_neg, rollout_n, bf16, phase)
+    for h in hooks:
+        setattr(torch.Tensor, h, saved[h])
     res['resident'] = resident
     top = max(res['phases'].values(), key=lambda r: r['peak']['Total'])
     res['peak'] = top['peak']
@@ -345,11 +364,13 @@ def rss_run(cfg, what, Fr, H, W, **kw):
 
 # ----------------------------------------------------------------------------- the estimate
 
-def formula(P, P_blk, L, h, V, T):
-    """bench.py section 5's formulas (bytes per GPU of 8, FLOPs of one CFG branch of one clip)."""
-    S = V + T
+def formula(P, P_blk, P_txt, L, h, V, T):
+    """bench.py section 5's former formulas (bytes per GPU of 8; F: FLOPs of one CFG branch of one
+    clip), for the comparison; P_txt: a block's text-stream parameters."""
+    S, P_img = V + T, P_blk - P_txt
     return dict(params=4 * P / 8, grads=4 * P / 8, optimizer=8 * P / 8, anchor=4 * P / 8, gathered=2 * 2 * P_blk,
-                activations=2 * 2 * S * h * L + 2 * 2 * S * h * 16 + 2 * S * S, F=2 * P * V + 4 * L * S * S * h)
+                activations=2 * 2 * S * h * L + 2 * 2 * S * h * 16 + 2 * S * S,
+                F=2 * L * (P_img * V + P_txt * T) + 2 * (P - L * P_blk) * V + 4 * L * S * S * h)
 
 
 def categories(r):
@@ -371,8 +392,8 @@ def categories(r):
 def estimate():
     from diffusers import AutoencoderKLHunyuanVideo15
     cfg, t0 = load_config(), time.time()
-    with torch.device('meta'):
-        vae_P = sum(p.numel() for p in AutoencoderKLHunyuanVideo15(**vae_config).parameters())
+    with torch.device('meta'):  # the class defaults are the published VAE
+        vae_P = sum(p.numel() for p in AutoencoderKLHunyuanVideo15().parameters())
     extras = {'VAE (bf16)': 2 * vae_P, 'VideoAlign (bf16)': 2 * videoalign_params}
     os.makedirs(os.path.join(out_dir, 'fullsize_runs'), exist_ok=True)
 
@@ -397,12 +418,13 @@ def estimate():
                             rollout_n=1))
             break
     runs = [r for r in runs if r is not None]
-    blk = build(cfg, checkpointing=False)
-    P_blk, L, h = sum(p.numel() for p in blk.transformer_blocks[0].parameters()), cfg['num_layers'], \
-        cfg['num_attention_heads'] * cfg['attention_head_dim']
+    blk = build(cfg, checkpointing=False).transformer_blocks[0]
+    P_blk = sum(p.numel() for p in blk.parameters())
+    P_txt = sum(p.numel() for n, p in blk.named_parameters() if 'context' in n or 'add_' in n)
     for r in runs:
         r['categories'] = categories(r)
-        r['formula'] = formula(r['P'], P_blk, L, h, r['tokens'], r['text'])
+        r['formula'] = formula(r['P'], P_blk, P_txt, cfg['num_layers'], cfg['num_attention_heads'] *
+                               cfg['attention_head_dim'], r['tokens'], r['text'])
     out = dict(config=config, extras=extras, runs=runs, seconds=time.time() - t0, torch=torch.__version__)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'fullsize.json'), 'w') as f:
@@ -449,7 +471,8 @@ def report(out):
     g = lambda b: f'{b / GiB:.1f}'
     P = runs[0]['P']
     md = ['## HunyuanVideo 1.5 at full size: per-GPU memory and FLOPs, measured by torch', '',
-          f'Written by `python bench_fullsize.py` (torch {out["torch"]}, {out["seconds"]:.0f} s on this CPU); raw numbers: '
+          f'Written by `python bench_fullsize.py` (torch {out["torch"]}, {sum(r["seconds"] for r in runs) / 60:.0f} min '
+          'of measuring on 2 shared CPU cores); raw numbers: '
           f'fullsize.json. Transformer: {P / 1e9:.3f} B parameters (`{c["model_config"]}`, the diffusers class defaults). '
           'Each run executes one training micro-step as train.py does (anchor forward without grad, policy forward with '
           'both CFG branches, backward with per-block checkpointing, clip + AdamW) or one rollout forward '
@@ -504,7 +527,32 @@ def report(out):
         f_upd = per_rank * c['num_steps'] * sum(tr['phases'][k]['flops'] for k in ('anchor forward', 'policy forward', 'backward'))
         rows.append([f'{H}x{W}', f'{f_roll / 1e15:.0f}', f'{f_upd / 1e15:.0f}', f'{f_upd / f_roll:.1f}',
                      f'{(f_roll + f_upd) / (c["tflops"] * 1e12) / 3600:.2f}'])
-    md += [table(['size', 'rollout PFLOP/GPU', 'update PFLOP/GPU', 'update/rollout', 'hours/iteration'], rows)]
+    md += [table(['size', 'rollout PFLOP/GPU', 'update PFLOP/GPU', 'update/rollout', 'hours/iteration'], rows), '']
+    md += ['### What the measurement corrects in the formulas', '']
+    tr = next((r for r in runs if r['world'] and r['what'] == 'train'), None)
+    if tr:
+        m, f, ph = tr['categories'], tr['formula'], tr['phases']
+        md += [f'- FLOPs: one CFG branch of one clip is {ph["policy forward"]["flops"] / 2e12:.0f} TFLOP measured, '
+               f'{f["F"] / 1e12:.0f} by the formula, which multiplied every block parameter by the tokens; the '
+               'adaLN modulation linears (6h x h per stream, a third of a block) act on the timestep embedding '
+               'only. The backward with its recompute is '
+               f'{ph["backward"]["flops"] / ph["policy forward"]["flops"]:.2f}x the forward (formula: 3x).',
+               '- Sharded state (params, grads, AdamW, anchor): ' + '/'.join(g(m[k]) for k in (
+                   'params (fp32 master)', 'grads (fp32)', 'optimizer (AdamW)', 'anchor (fp32)')) + ' GiB, formula '
+               + '/'.join(g(f[k]) for k in ('params', 'grads', 'optimizer', 'anchor')) + ' (4/4/8/4 bytes a parameter / 8).',
+               f'- Communication buffers: FSDP2 also holds the fp32 reduce-scatter input of a block and the '
+               f'all-gather buffer: {g(m["gathered params (bf16)"] + m["reduce-scatter buffers"])} GiB, not '
+               f'{g(f["gathered"])}.',
+               f'- Activations: {g(m["activations"] + m["backward temporaries"])} GiB at the backward peak, not '
+               f'{g(f["activations"])}; the anchor forward adds a second sharded copy of the weights for the '
+               f'swap (Anchor.applied saves the policy\'s): peak {g(ph["anchor forward"]["peak"]["Total"])} GiB there.']
+    ro = [r for r in runs if r['world'] and r['what'] == 'rollout']
+    if ro:
+        md += ['- The rollout forward, absent from the formulas, is the peak of an iteration: '
+               + ', '.join(f'{g(r["peak"]["Total"])} GiB at {r["height"]}x{r["width"]}' for r in ro)
+               + f' ({c["rollout_batch"]} clips x 2 branches in one batch: the (B, 1, S, S) boolean mask diffusers '
+               'builds per block, and the bf16 bias SDPA makes of it, grow with B x S^2), gradients still allocated '
+               'from the last update.']
     return '\n'.join(md)
 
 
