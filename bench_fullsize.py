@@ -553,6 +553,11 @@ def report(out):
                + f' ({c["rollout_batch"]} clips x 2 branches in one batch: the (B, 1, S, S) boolean mask diffusers '
                'builds per block, and the bf16 bias SDPA makes of it, grow with B x S^2), gradients still allocated '
                'from the last update.']
+    for r in [r for r in runs if r['lora'] and r['what'] == 'train']:
+        tot = (r['peak']['Total'] + sum(extras.values())) / GiB
+        md += [f'- LoRA r{r["lora"]} on one GPU, {r["frames"]}x{r["height"]}x{r["width"]}: {tot:.1f} GiB with the VAE and '
+               f'VideoAlign resident: {"fits" if tot <= c["gpu_gb"] else "does not fit"} in {c["gpu_gb"]:.0f} GB '
+               f'(the frozen base stays fp32, {g(r["categories"]["params (fp32 master)"])} GiB, as load_policy keeps it).']
     return '\n'.join(md)
 
 
