@@ -18,7 +18,8 @@ tensors. One micro-step runs as train.py's step_losses does (the anchor's no-gra
 weights swapped in, the policy's forward with both CFG branches and grad, backward with per-block
 checkpointing, then clip + AdamW), under FSDPMemTracker (bytes by category: sharded / gathered
 params, grads, optimizer state, activations, backward temporaries) and FlopCounterMode's per-op
-formulas. A full-size run takes 5-10 min of CPU each on 2 shared cores (the tracker's bookkeeping).
+formulas. Each full-size run takes 1.5-20 min on 2 busy shared cores (the trackers' per-op
+bookkeeping), about 45 min in all; the parts can run in parallel (above).
 tests/test_fullsize.py checks the method: the fake-tensor peak of a small config against the peak
 resident memory of the same config run with real tensors.
 
@@ -328,8 +329,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
 
             def phase(name):  # peak of this part by category, and its FLOPs
                 f = flops.total
-                res['phases'][name] = dict(peak={k: v for k, v in snap(tracker, 'peak').items() if v}, flops=f - last[0],
-                                           after={k: v for k, v in snap(tracker).items() if v})
+                res['phases'][name] = dict(peak={k: v for k, v in snap(tracker, 'peak').items() if v}, flops=f - last[0])
                 last[0] = f
                 tracker._peak_mem_snap = tracker.get_tracker_snapshot()  # restart the peak (private API)
                 tracker._peak_mem = {d: s['Total'] for d, s in tracker._peak_mem_snap.items()}
@@ -481,7 +481,10 @@ def report(out):
           "FlopCounterMode's formulas. Attention is dispatched as on a GPU (memory-efficient kernel, the boolean mask "
           'as a padded bf16 bias). Steady state: AdamW state and accumulated gradients exist before the step. '
           f'Text {sum(c["text_tokens"])} + 1 tokens (upper bound). Not included: CUDA context, allocator fragmentation, '
-          'NCCL buffers, VAE/VideoAlign activations.', '',
+          'NCCL buffers, VAE/VideoAlign activations (their weights are: the VAE counted from its class, VideoAlign '
+          f'taken as {c["videoalign_params"] / 1e9:.1f} B parameters). The method is checked against a real CPU run of '
+          'a small config (tests/test_fullsize.py: peak resident memory within 25%). No GPU has confirmed these '
+          'numbers yet: `bench_fullsize.py --gpu` prints the measured values beside them.', '',
           '### Peak memory per GPU (GiB), by category, at the peak of each run', '']
     cats = list(runs[0]['categories'])
     rows = [[k] + [g(r['categories'][k]) for r in runs] for k in cats]
