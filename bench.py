@@ -692,70 +692,31 @@ def section4():
 
 # ============================================================================= 5. on paper
 def section5():
+    # the full-size numbers are measured by bench_fullsize.py (fake tensors, ~30 min on 2 cores; not
+    # re-run here): its markdown block is quoted as written, never retyped
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'fullsize')
+    if not os.path.exists(path + '.md'):
+        MD.extend(['## 5. HunyuanVideo 1.5 at full size', '', 'Run `python bench_fullsize.py` first.', ''])
+        return
+    with open(path + '.md') as f:
+        lines = f.read().rstrip().split('\n')
+    with open(path + '.json') as f:
+        runs = json.load(f)['runs']
+    R['5'] = dict(P=runs[0]['P'], peak_gib={f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]} world {r["world"]}':
+                                            r['peak']['Total'] / 2 ** 30 for r in runs})
+    MD.extend(['## 5. ' + lines[0][3:]] + lines[1:] + [''])
     from diffusers import HunyuanVideo15Transformer3DModel as T
     with torch.device('meta'):  # the 480p model's architecture (the class defaults), no memory
         net = T()
-    P = sum(p.numel() for p in net.parameters())
-    blk = net.transformer_blocks[0]
-    P_blk = sum(p.numel() for p in blk.parameters())
-    P_txt = sum(p.numel() for n, p in blk.named_parameters() if 'context' in n or 'add_' in n)
-    P_img, L, h = P_blk - P_txt, len(net.transformer_blocks), net.config.num_attention_heads * net.config.attention_head_dim
-    gpus, clips, steps, G = 8, 32, 20, 4
-    text = 1000 + 256  # Qwen tokens + ByT5 tokens, the upper bound (the mask trims padding)
-    res = {}
-    for (H, W) in ((352, 624), (480, 848)):
-        F_, hh, ww = (81 - 1) // 4 + 1, H // 16, W // 16
-        tok = F_ * hh * ww  # video tokens, patch 1
-        S = tok + text
-        lat = 32 * tok  # elements of one latent
-        # per forward of one clip-branch: linear layers of both streams + attention (QK^T and AV)
-        f_lin = 2 * (P_img * tok + P_txt * text) * L + 2 * (P - L * P_blk) * tok
-        f_att = 4 * S * S * h * L
-        Fw = f_lin + f_att
-        # rollout: clips x steps x 2 CFG branches forwards; update: the same number of fwd+bwd with
-        # checkpointing (fwd + recompute + 2x bwd = 4 F), plus the anchor's forwards (dual)
-        n_fwd = clips * steps * 2
-        total = n_fwd * Fw + n_fwd * 4 * Fw + n_fwd * Fw
-        GB = 1e9
-        mem = dict(params_fp32=4 * P / gpus / GB, grads_fp32=4 * P / gpus / GB, adamw_fp32=8 * P / gpus / GB,
-                   anchor_fp32=4 * P / gpus / GB, gathered_bf16_2blocks=2 * 2 * P_blk / GB,
-                   ckpt_inputs_bf16=2 * 2 * S * h * L / GB,  # one block input per block, 2 CFG branches
-                   block_activations_bf16=2 * 2 * S * h * 16 / GB,  # ~16 h values per token inside one block
-                   attn_mask_bool=2 * S * S / GB,  # the (B, 1, S, S) mask diffusers builds, per block, B = 2
-                   rollout_latents_fp32=(clips // gpus) * (2 * steps + 1) * lat * 4 / GB)  # xs + means
-        mem['total'] = sum(mem.values())
-        res[f'{H}x{W}'] = dict(tokens=tok, S=S, F_fwd=Fw, F_lin=f_lin, F_att=f_att, n_fwd=n_fwd, total=total,
-                               per_gpu=total / gpus, hours_at_400tflops=total / gpus / 400e12 / 3600, mem=mem)
+    P, gpus = sum(p.numel() for p in net.parameters()), 8
     # Muon (optimizer.py) per optimizer step and rank: an all-gather of every 2-D gradient in fp32 and
     # 5 Newton-Schulz iterations on each whole (m, n) matrix, m <= n: 5 (4 m^2 n + 2 m^3) FLOPs, on every rank
     mats = [sorted(p.shape) for p in net.parameters() if p.ndim == 2]
     P_2d = sum(m * n for m, n in mats)
     muon = dict(P_2d=P_2d, gather_GB=4 * P_2d * (gpus - 1) / gpus / 1e9, ns_TFLOP=sum(5 * (4 * m * m * n + 2 * m ** 3)
                 for m, n in mats) / 1e12, state_GB_per_gpu=(4 * P_2d + 8 * (P - P_2d)) / gpus / 1e9)
-    R['5'] = dict(P=P, P_block=P_blk, P_img=P_img, P_txt=P_txt, blocks=L, hidden=h, res=res, muon=muon)
-    md = ['## 5. HunyuanVideo 1.5 on paper (8 GPUs, 81 frames)',
-          f'Parameters (diffusers class defaults = the 480p model, counted on the meta device): P = {P / 1e9:.3f} B, '
-          f'{L} blocks of {P_blk / 1e6:.1f} M ({P_img / 1e6:.1f} M video stream, {P_txt / 1e6:.1f} M text stream), '
-          f'hidden h = {h}. Latents (32, 21, H/16, W/16), patch 1; text T = 1000 + 256 tokens (upper bound). '
-          f'One iteration: {clips} clips (8 prompts x G={G}), {steps} steps, CFG 6 (2 branches), every step '
-          'trained, KL dual, gradient checkpointing per block, FSDP2 over 8 GPUs, train_batch 1.', '',
-          'Formulas: tokens V = 21·(H/16)·(W/16), S = V + T; forward FLOPs of one branch of one clip '
-          'F = 2·L·(P_img·V + P_txt·T) + 2·P_rest·V + 4·L·S²·h; per iteration '
-          '= n·F (rollout) + n·4F (fwd + recompute + 2x bwd) + n·F (anchor), n = clips·steps·2 = 1280. Memory '
-          'per GPU: 4P/8 fp32 params + 4P/8 grads + 8P/8 AdamW + 4P/8 anchor + 2·2·P_block (bf16 gathered block '
-          'and the prefetched next one) + 2·2·S·h·L (checkpointed block inputs, bf16, 2 CFG branches) + '
-          '2·2·16·S·h (one block\'s activations in recompute, ~16h values a token) + 2·S² bytes (the boolean '
-          'attention mask diffusers builds, B = 2) + (clips/8)·(2·steps+1)·32V·4 (stored xs and means, fp32).', '']
-    keys = list(next(iter(res.values()))['mem'])
-    md += [table(['GB per GPU'] + list(res), [[k] + [f'{v["mem"][k]:.2f}' for v in res.values()] for k in keys]), '']
-    md += [table(['per iteration', *res], [
-        ['video tokens V', *[f'{v["tokens"]}' for v in res.values()]],
-        ['sequence S', *[f'{v["S"]}' for v in res.values()]],
-        ['forward F (TFLOP)', *[f'{v["F_fwd"] / 1e12:.1f}' for v in res.values()]],
-        ['attention share of F', *[f'{v["F_att"] / v["F_fwd"]:.2f}' for v in res.values()]],
-        ['iteration (PFLOP)', *[f'{v["total"] / 1e15:.0f}' for v in res.values()]],
-        ['per GPU (PFLOP)', *[f'{v["per_gpu"] / 1e15:.0f}' for v in res.values()]],
-        ['hours/iter at 400 TFLOP/s per GPU', *[f'{v["hours_at_400tflops"]:.2f}' for v in res.values()]]]), '']
+    R['5']['muon'] = muon
+    md = []
     md += [f'Muon (the released optimizer, optimizer.py) per optimizer step and GPU: {muon["P_2d"] / 1e9:.2f} B weights '
            f'in 2-D matrices; gathering each whole gradient receives {muon["gather_GB"]:.1f} GB (fp32; FSDP2\'s own '
            f'weight all-gather moves 2 B/weight in bf16 per forward); Newton-Schulz on every whole matrix costs '
@@ -763,9 +724,6 @@ def section5():
            f'{muon["ns_TFLOP"] / 400:.2f} s at 400 TFLOP/s: small next to an iteration. Optimizer state '
            f'{muon["state_GB_per_gpu"]:.2f} GB per GPU (Muon momentum 4 B + AdamW 8 B per weight, /8) instead of '
            f'AdamW\'s {8 * P / gpus / 1e9:.2f} GB.', '']
-    md += ['A GPU run should confirm: peak memory per GPU (torch.cuda.max_memory_allocated, train.py\'s '
-           'peak_mem_gb) against the total above, the measured time of one forward of one clip-branch against '
-           'F / achieved FLOP/s, and t_update / t_rollout close to 5 (4F + F anchor vs F).', '']
     MD.extend(md)
 
 
@@ -837,15 +795,8 @@ def readme_block():
     if get('4'):
         out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
                 [l for l in get('4') if l.startswith('The transformer passes')] + [''] + md_table(get('4'), '| optimizer |')
-    r5 = R.get('5') or {}
-    if r5:
-        res5 = r5['res']
-        out_ += ['**HunyuanVideo 1.5 on paper** (bench section 5; 8 GPUs, 81 frames, AdamW): ' + '; '.join(
-            f'{k}: {v["mem"]["total"]:.0f} GB per GPU, {v["F_fwd"] / 1e12:.0f} TFLOP per forward, '
-            f'{v["total"] / 1e18:.1f} EFLOP and {v["hours_at_400tflops"]:.2f} h per iteration at 400 TFLOP/s per GPU'
-            for k, v in res5.items()) + '. Not yet confirmed on a GPU.', '']
-        if 'muon' in r5:
-            out_ += [l for l in get('5') if l.startswith('Muon (the released optimizer')] + ['']
+    if 'muon' in (R.get('5') or {}):  # the full-size table itself is bench_fullsize.py's own README block
+        out_ += [l for l in get('5') if l.startswith('Muon (the released optimizer')] + ['']
     out_ += ['<!-- /bench:results -->']
     return out_
 

@@ -93,20 +93,24 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, weig
     if not fsdp:  # fp32 weights; on a GPU velocity() computes in bf16 under autocast
         return model.to(device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     full = model.state_dict() if master else {}  # references, kept alive across the sharding
-    # fp32 master shards, bf16 compute and fp32 gradient reduce-scatter: an update of lr 1e-5
-    # would vanish in the rounding of bf16 weights
-    cuda = torch.device(device).type == 'cuda'
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
-    for block in model.transformer_blocks:  # the FSDP (and checkpointing) unit
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    shard(model, cuda=torch.device(device).type == 'cuda')
     model.to_empty(device=device)
     set_model_state_dict(model, full, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True))
     del full
     return model
+
+
+def shard(model, cuda, mesh=None):
+    """FSDP2 as the trainer applies it (bench_fullsize.py measures this same layout)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # fp32 master shards, bf16 compute and fp32 gradient reduce-scatter: an update of lr 1e-5
+    # would vanish in the rounding of bf16 weights
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
+    for block in model.transformer_blocks:  # the FSDP (and checkpointing) unit
+        fully_shard(block, mp_policy=mp, mesh=mesh)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
 
 
 # ----------------------------------------------------------------------------- text

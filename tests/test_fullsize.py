@@ -1,0 +1,88 @@
+"""
+bench_fullsize.py: the fake-tensor estimate against a real CPU run of the same small config
+(peak resident memory of a fresh process), the fixed-order forward against diffusers' own, the
+attention stand-in's FLOPs and bytes against their closed forms, and the GPU check at tiny size.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import bench_fullsize as bf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a small transformer with ~0.9 GB of training state (fp32 params, grads, AdamW, anchor: 20 bytes
+# a parameter, 48M parameters) and 1152 video tokens, so activations count too
+SMALL = dict(bf.load_config(os.path.join(ROOT, bf.model_config)), num_layers=2, num_attention_heads=8,
+             attention_head_dim=64, rope_axes_dim=(16, 24, 24), text_embed_dim=64, text_embed_2_dim=64,
+             image_embed_dim=32, num_refiner_layers=1)
+RUN = dict(what='train', Fr=9, H=256, W=384, world=0, attn='math', bf16=False, n_store=1, L=(30, 10))
+
+
+def test_estimate_matches_a_real_cpu_run():
+    est = bf.measure(SMALL, **RUN)
+    code = ('import json, bench_fullsize as bf; from tests.test_fullsize import SMALL, RUN; '
+            'r = bf.rss_run(SMALL, **RUN); print("RSS", r["rss_growth"])')
+    # a fixed mmap threshold: glibc then returns every freed tensor to the OS at once, so the
+    # resident-memory peak is the peak of live tensors, not of the allocator's cache
+    env = dict(os.environ, OMP_NUM_THREADS='1', MALLOC_MMAP_THRESHOLD_='65536', PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    real = float(out.stdout.split('RSS')[-1])
+    state = 20 * est['P']  # bytes of params + grads + AdamW + anchor
+    assert state > 300e6
+    fake = est['peak']['Total']
+    assert abs(fake / real - 1) < 0.25, (fake / 2 ** 20, real / 2 ** 20)
+
+
+def test_fixed_order_forward_is_diffusers_forward():
+    # all text tokens valid: the reorder in diffusers' forward is then the identity on the tokens
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    from model import velocity
+    torch.manual_seed(0)
+    model = T(**bf.TINY).eval()
+    x, s = torch.randn(2, 4, 3, 4, 6), torch.tensor([0.7, 0.3])
+    text = [torch.randn(2, 5, 16), torch.ones(2, 5), torch.randn(2, 3, 8), torch.ones(2, 3)]
+    neg = [torch.randn(2, 4, 16), torch.ones(2, 4), torch.randn(2, 3, 8), torch.ones(2, 3)]
+    with torch.no_grad():
+        ref = velocity(model, x, s, text, cfg=6.0, text_neg=neg)
+        model.forward = lambda *a: bf.transformer(model, *a)
+        got = bf.velocity(model, x, s, text, neg, bf16=False)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_attention_allocates_and_counts_what_the_kernel_does():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    B, heads, S, d = 2, 16, 5000, 128
+    with FakeTensorMode():
+        q, k, v = (torch.randn(B, heads, S, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        mask = torch.ones(B, 1, S, S, dtype=torch.bool)
+        mt, fc = MemTracker(), bf.FlopCount()
+        mt.track_external(q, k, v, mask)
+        with mt, fc:
+            out = bf.gpu_attention(q, k, v, attn_mask=mask)
+            fwd = fc.total
+            out.sum().backward()
+        peak = max(s['Total'] for s in mt.get_tracker_snapshot('peak').values())
+    assert fwd == 4 * B * heads * S * S * d  # QK^T and AV
+    assert fc.total == 3.5 * fwd  # backward: 2.5x the forward (five matmuls of the same size)
+    inputs = 3 * B * heads * S * d * 2 + B * S * S
+    # no (heads, S, S) weights: beyond the inputs, the bf16 bias and its padded copy (B, S, S)
+    # and tensors of q's size dominate; the math path would hold B*heads*S*S*2 = 1.6 GB
+    assert peak - inputs < 3 * B * S * S * 2 + 10 * B * heads * S * d * 4
+    assert peak < B * heads * S * S * 2 / 2
+
+
+def test_gpu_check_at_tiny_size_on_cpu():
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    out = subprocess.run([sys.executable, 'bench_fullsize.py', '--gpu', '--tiny', '--device=cpu'], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.split('CHECK_JSON ')[-1])
+    for name in ('anchor forward', 'policy forward', 'backward', 'optimizer step', 'rollout forward'):
+        assert res[name]['seconds'] > 0 and res[name]['peak_gib'] > 0
+    # CPU kernels are batch-invariant: a clip's log-prob does not depend on its batch
+    assert res['ratio_distance'] == 0.0
