@@ -54,11 +54,11 @@ def load_transformer(path, device='cpu', meta=False):
         raise missing_weights(path, 'transformer', e) from e
 
 
-def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, weights=None):
-    """The trainable transformer: LoRA adapters if lora_rank > 0, trained weights loaded from a
-    safetensors file (resume), FSDP2-sharded per block and at the root when fsdp. Under FSDP only
-    rank 0 reads the checkpoint from disk; the other ranks build on the meta device and receive
-    their shards by broadcast, so no process ever holds more than one full copy in host memory."""
+def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False):
+    """The trainable transformer: LoRA adapters if lora_rank > 0, FSDP2-sharded per block and at
+    the root when fsdp. Under FSDP only rank 0 reads the base model from disk; the other ranks build
+    on the meta device and receive their shards by broadcast, so no process ever holds more than
+    one full copy in host memory. Trained weights are read into it afterwards (checkpoint.py)."""
     master = not fsdp or dist.get_rank() == 0
     model = load_transformer(path, meta=not master)
     if is_toy(path):  # the toy's ByT5 branch only ever sees masked zeros: its gradient is exactly 0
@@ -67,13 +67,6 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, weig
         from peft import LoraConfig
         model.requires_grad_(False)
         model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=LORA_TARGETS))
-    if weights is not None and master:
-        from safetensors.torch import load_file
-        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        if unexpected or trainable & set(missing):
-            raise SystemExit(f'{weights}: does not match the model (unexpected {unexpected[:3]}, '
-                             f'missing {sorted(trainable & set(missing))[:3]})')
     if checkpointing:
         model.enable_gradient_checkpointing()  # recompute each block's activations in backward
     if not fsdp:  # fp32 weights; on a GPU velocity() computes in bf16 under autocast

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import resource
-import shutil
+import signal
 import time
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+import checkpoint
 import sde
 from configurator import configure
 from equalizer import scales
@@ -44,8 +45,9 @@ init_from = 'scratch'           # 'scratch' or 'resume' (the newest checkpoint i
 eval_every = 25                 # iterations between held-out evaluations (also at start and end)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
 eval_videos = 4                 # mp4 files written per evaluation
-save_every = 50                 # iterations between checkpoints (and one at the end)
+save_every = 50                 # iterations between checkpoints (and one at the end, and on SIGTERM)
 keep_checkpoints = 2            # newest checkpoints kept in out_dir
+export_dtype = 'bfloat16'       # the final checkpoint is exported to out_dir/export (diffusers); '' for none
 diag_every = 1                  # iterations between per-step gradient-norm diagnostics (0: never)
 wandb_log = False               # also log to wandb (if it is installed)
 wandb_project = 'sage-grpo'
@@ -149,10 +151,14 @@ def mean_all(x):
 
 def read_prompts(path):
     try:
-        with open(path) as f:
+        with open(path, encoding='utf-8') as f:
             lines = [l.strip() for l in f if l.strip()]
     except FileNotFoundError:
         raise SystemExit(f'prompt file {path!r} not found (one prompt per line)')
+    except UnicodeDecodeError as e:
+        line = open(path, 'rb').read()[:e.start].count(b'\n') + 1
+        raise SystemExit(f'prompt file {path!r} is not UTF-8 text (line {line}: byte {e.object[e.start]:#x}); '
+                         're-save it as UTF-8')
     if not lines:
         raise SystemExit(f'prompt file {path!r} is empty (one prompt per line)')
     return lines
@@ -182,15 +188,9 @@ if ddp:
     dist.barrier()
 text_cache = torch.load(cache_file)['text']
 
-ckpt = None
-if init_from == 'resume':
-    latest = os.path.join(out_dir, 'latest')
-    if not os.path.exists(latest):
-        raise SystemExit(f'init_from=resume but {out_dir!r} has no checkpoint')
-    with open(latest) as f:
-        ckpt = os.path.join(out_dir, f.read().strip())
-policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
-                     weights=ckpt and os.path.join(ckpt, 'model.safetensors'))
+# resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
+ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing)
 params = [p for p in policy.parameters() if p.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
@@ -212,18 +212,20 @@ use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('
 w_pos, w_vel = beta_pos * use_pos, beta_vel * use_vel  # 'moving' is the position term alone
 
 iter_num, opt_steps = 0, 0
-if ckpt is not None:  # optimizer, anchor, controller, counters; the weights were loaded above
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    state = torch.load(os.path.join(ckpt, 'state.pt'), weights_only=False)
-    # strict=False: a weight that never got a gradient (the last block's text-stream output, whose
-    # result the transformer discards) has no AdamW state, in the saved run as in this one
-    set_optimizer_state_dict(policy, optimizer, optim_state_dict=state['optimizer'],
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-    anchor.load_state_dict(state['anchor'])
-    controller.load_state_dict(state['controller'])
-    iter_num, opt_steps = state['iter_num'], state['opt_steps']
+for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into the sharded policy
+    try:
+        loop = checkpoint.load(ckpt, policy, [optimizer], anchor)
+    except Exception as e:  # a damaged shard: the next intact checkpoint overwrites all of it
+        if i + 1 == len(ckpts):
+            raise SystemExit(f'cannot resume from {ckpt}: {type(e).__name__}: {str(e)[:300]}')
+        if master:
+            print(f'warning: checkpoint {ckpt} is damaged ({type(e).__name__}): falling back to {ckpts[i + 1]}')
+        continue
+    controller.load_state_dict(loop['controller'])
+    iter_num, opt_steps = loop['iter_num'], loop['opt_steps']
     if master:
-        print(f'resumed from {ckpt} at iteration {iter_num}')
+        print(f'resumed from {ckpt} at iteration {iter_num}' + (' (the newest intact checkpoint)' if i else ''))
+    break
 
 
 def text_for(prompts):
@@ -261,34 +263,38 @@ def evaluate():
 
 
 def save_checkpoint():
-    """Trainable weights as safetensors plus a state file, in a new directory renamed into place;
-    'latest' then points at it (atomic rename): a crash never leaves a half-written checkpoint."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
-        get_optimizer_state_dict
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered shard by shard to CPU
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    weights = {k: v.contiguous() for k, v in get_model_state_dict(policy, options=opts).items() if k in trainable}
-    optim = get_optimizer_state_dict(policy, optimizer, options=opts)
-    # the anchor's shards gathered one tensor at a time (a collective: every rank takes part)
-    anchor_state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in anchor.state_dict().items()}
-    if not master:
-        return
-    name = f'ckpt_{iter_num:06d}'
-    tmp, final = os.path.join(out_dir, name + '.tmp'), os.path.join(out_dir, name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(weights, os.path.join(tmp, 'model.safetensors'))
-    torch.save(dict(optimizer=optim, anchor=anchor_state, controller=controller.state_dict(),
-                    iter_num=iter_num, opt_steps=opt_steps, config=config), os.path.join(tmp, 'state.pt'))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
-        f.write(name)
-    os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
-    old = sorted(d for d in os.listdir(out_dir) if d.startswith('ckpt_') and not d.endswith('.tmp'))
-    for d in old[:-keep_checkpoints]:
-        shutil.rmtree(os.path.join(out_dir, d))
+    """Collective: each rank writes its shards (checkpoint.py), rank 0 publishes atomically."""
+    checkpoint.save(os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}'), policy, [optimizer],
+                    anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world,
+                                              controller=controller.state_dict(), config=config),
+                    keep=keep_checkpoints)
+
+
+# preemption: the first SIGTERM asks for a checkpoint at the end of the current iteration (every
+# rank must agree: see stop_requested), a second SIGTERM or a SIGINT exits at once; the last
+# published checkpoint stays intact either way (atomic publication)
+preempted = False
+
+
+def on_signal(signum, frame):
+    global preempted
+    if signum == signal.SIGINT or preempted:
+        os._exit(128 + signum)  # at once: no cleanup that could touch out_dir
+    preempted = True
+    print(f'rank {rank}: SIGTERM, finishing iteration {iter_num + 1}, then checkpoint and exit', flush=True)
+
+
+signal.signal(signal.SIGTERM, on_signal)
+signal.signal(signal.SIGINT, on_signal)
+
+
+def stop_requested():
+    """Whether any rank got SIGTERM (one all_reduce: every rank stops after the same iteration)."""
+    if not ddp:
+        return preempted
+    t = torch.tensor([float(preempted)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0
 
 
 def step_losses(b, t, clips):
@@ -330,6 +336,21 @@ def grad_norm_of(loss):
 if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(config, f, indent=1)
+    # a crash leaves a clean log: what was logged after the restored checkpoint (iterations that
+    # will run again) is dropped, and so are the eval videos of those iterations
+    log_file = os.path.join(out_dir, 'metrics.jsonl')
+    if os.path.exists(log_file):
+        with open(log_file) as f:
+            lines = f.readlines()
+        kept = [l for l in lines if l.strip() and json.loads(l)['iter'] <= iter_num]
+        if len(kept) < len(lines):
+            with open(log_file + '.tmp', 'w') as f:
+                f.writelines(kept)
+            os.replace(log_file + '.tmp', log_file)
+    eval_dir = os.path.join(out_dir, 'eval')
+    for v in os.listdir(eval_dir) if os.path.isdir(eval_dir) else []:
+        if v.startswith('iter') and int(v[4:10]) > iter_num:
+            os.remove(os.path.join(eval_dir, v))
 if wandb_log and master:
     try:
         import wandb
@@ -465,8 +486,17 @@ while iter_num < max_iters:
                 f.write(json.dumps({'iter': iter_num, **{f'eval_{k}': v for k, v in ev.items()}}) + '\n')
         if last and first_eval is not None and master:
             print(f"eval composite before {first_eval['composite']:.4f} -> after {ev['composite']:.4f}")
-    if (save_every and iter_num % save_every == 0) or last:
+    stop = stop_requested()  # once per iteration, the boundary a checkpoint can resume from
+    if (save_every and iter_num % save_every == 0) or last or stop:
         save_checkpoint()
+    if stop:
+        if master:
+            print(f'preempted: checkpoint of iteration {iter_num} written; resume with --init_from=resume')
+        break
+
+if master and export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format
+    checkpoint.export(out_dir, os.path.join(out_dir, 'export'), getattr(torch, export_dtype))
+    print(f'exported to {out_dir}/export: diffusers HunyuanVideo15Transformer3DModel.from_pretrained() loads it')
 
 if ddp:
     dist.barrier()  # no rank tears gloo down while another still talks to it

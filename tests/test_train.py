@@ -17,7 +17,6 @@ import sys
 
 import imageio.v3 as iio
 import torch
-from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a small toy run: 2 prompts x G=2, 4 sampler steps, no evaluation in between
@@ -41,8 +40,10 @@ def metrics(out):
 
 
 def weights(out):
+    """The trained weights of out's newest checkpoint (sharded DCP), read in this process."""
+    import checkpoint
     with open(os.path.join(out, 'latest')) as f:
-        return load_file(os.path.join(out, f.read().strip(), 'model.safetensors'))
+        return checkpoint.read_tensors(os.path.join(out, f.read().strip()))
 
 
 def check_run(out, iters):

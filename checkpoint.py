@@ -1,0 +1,269 @@
+"""
+Training state that scales with the model: sharded checkpoints with torch.distributed.checkpoint
+(DCP), and the export of a checkpoint as a diffusers transformer directory.
+
+    <out_dir>/ckpt_000050/            one checkpoint = one DCP directory
+        __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
+        .metadata                     DCP's index of the shards (which rank wrote which slice)
+        loop.json                     iteration, optimizer steps, lambda_KL controller, optimizer
+                                      hyperparameters, config, and the size of every file (the manifest)
+    <out_dir>/latest                  the name of the newest published checkpoint
+
+    python checkpoint.py export out-toy out-toy/export              # the newest checkpoint of a run
+    python checkpoint.py export out-toy/ckpt_000020 DEST --dtype=float32
+
+A save is a collective: every rank writes only its own shards (DCP stages one tensor at a time),
+then rank 0 writes loop.json, renames the temporary directory into place and updates `latest`
+(atomic rename): a crash at any moment leaves the last published checkpoint intact. A load builds
+and shards the policy first and reads into it, each rank only its slices, so a checkpoint saved on
+N ranks resumes on M (DCP reshards). Seeds need no state: every random draw of train.py is a
+function of (seed, iteration, clip), so the iteration number is the whole RNG state.
+
+Where this differs from a plain dcp.save of everything, and why:
+- only the trainable weights are saved (the frozen base of a LoRA run, and the toy's dead ByT5
+  projection, come from the base model): an 8.3B LoRA checkpoint is megabytes.
+- non-tensor state (optimizer hyperparameters, the controller) goes to loop.json, not into DCP,
+  which would pickle it and unpickle it with weights_only=False; DCP's own .metadata index is read
+  with an unpickler that admits only DCP's metadata classes.
+- a weight that never got a gradient has no AdamW state in the saved run, but the load template
+  has one (DCP initialises the state with a zero-lr step); it is left as initialised: a weight
+  without gradient is never updated, so resume stays bitwise exact.
+
+Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
+"""
+import json
+import os
+import pickle
+import shutil
+import sys
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
+    get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+# DCP works without a process group too (one process); it warns that it assumes so
+warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavailable or uninitialized')
+
+LOOP = 'loop.json'              # the small state beside the shards
+PREFIX = 'ckpt_'                # checkpoint directories are PREFIX + iteration, zero-padded
+EXPORT_SHARD = '5GB'            # max_shard_size of the exported safetensors files
+
+
+def _master():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _reshard(model):
+    # FSDP2 keeps the root's weights gathered after a forward, and named_parameters() then returns
+    # those unsharded tensors, not the sharded ones the optimizer holds: shard them back first
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _trainable_weights(model):
+    # name -> tensor of the weights the optimizer moves (sharded DTensors under FSDP2, sharing
+    # storage with the parameters): dcp.save writes them and dcp.load reads into them in place
+    _reshard(model)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in get_model_state_dict(model).items() if k in names}
+
+
+def _tensor_state(model, optimizers):
+    # the optimizer's tensors, keyed by parameter name (not id): they reshard across world sizes.
+    # optimizers: one or a list (e.g. Muon for matrices + AdamW for the rest): one combined dict
+    _reshard(model)
+    osd = get_optimizer_state_dict(model, optimizers)
+    return osd['state'], osd['param_groups']
+
+
+def save(path, model, optimizers, anchor_state, loop, keep=2):
+    """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it.
+    anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state."""
+    out_dir, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(out_dir, name + '.tmp')
+    if _master():
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before publishing
+        os.makedirs(tmp)
+    _barrier()
+    optim_state, groups = _tensor_state(model, optimizers)
+    dcp.save({'model': _trainable_weights(model), 'optim': optim_state, 'anchor': dict(anchor_state)},
+             checkpoint_id=tmp)  # every rank writes __<rank>_0.distcp; rank 0 also .metadata
+    if _master():
+        files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, LOOP), 'w') as f:
+            json.dump(dict(loop, param_groups=groups, files=files), f, indent=1)
+        shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same iteration
+        os.replace(tmp, path)
+        with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
+            f.write(name)
+        os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
+        for d in sorted(d for d in os.listdir(out_dir) if _is_ckpt(d))[:-keep]:
+            shutil.rmtree(os.path.join(out_dir, d))
+    _barrier()  # every rank returns once the checkpoint is published
+
+
+def _is_ckpt(d):
+    return d.startswith(PREFIX) and not d.endswith('.tmp')
+
+
+def damage(path):
+    """None if `path` is an intact checkpoint, else why not (one line)."""
+    try:
+        with open(os.path.join(path, LOOP)) as f:
+            files = json.load(f)['files']
+    except FileNotFoundError:
+        return f'no {LOOP}'
+    except (OSError, ValueError, KeyError) as e:
+        return f'{LOOP} unreadable ({e})'
+    for f, size in files.items():
+        p = os.path.join(path, f)
+        if not os.path.exists(p):
+            return f'{f} is missing'
+        if os.path.getsize(p) != size:
+            return f'{f} is {os.path.getsize(p)} bytes, {size} were written'
+    return None
+
+
+def candidates(out_dir, log=print):
+    """Intact checkpoints of out_dir, newest first; says which ones are skipped and why."""
+    found = sorted((d for d in os.listdir(out_dir) if _is_ckpt(d)), reverse=True) if os.path.isdir(out_dir) else []
+    latest = os.path.join(out_dir, 'latest')
+    if os.path.exists(latest):
+        with open(latest) as f:
+            named = f.read().strip()
+        if named not in found:
+            log(f'warning: {latest} names {named}, which is gone')
+    good = []
+    for d in found:
+        why = damage(os.path.join(out_dir, d))
+        if why:
+            log(f'warning: checkpoint {os.path.join(out_dir, d)} is damaged ({why}): skipped')
+        else:
+            good.append(os.path.join(out_dir, d))
+    if not good:
+        raise SystemExit(f'init_from=resume but {out_dir!r} has no intact checkpoint'
+                         + (f' (found {", ".join(found)})' if found else ''))
+    return good
+
+
+def read_loop(path):
+    with open(os.path.join(path, LOOP)) as f:
+        return json.load(f)
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    # DCP's .metadata is a pickle of its own dataclasses: admit those and the few torch and
+    # builtin types they hold, nothing else (no arbitrary code from a file on disk)
+    def find_class(self, module, name):
+        if module.startswith('torch.distributed.checkpoint') or (module, name) in _SAFE or \
+                (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f'{module}.{name} is not allowed in a DCP .metadata file')
+
+
+_SAFE = {('torch', 'Size'), ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset'),
+         ('torch.serialization', '_get_layout'), ('pathlib', 'PosixPath')}
+
+
+class _Reader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, '.metadata'), 'rb') as f:
+            md = _SafeUnpickler(f).load()
+        if getattr(md, 'storage_meta', None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _Planner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):  # nothing non-tensor is saved (DCP would unpickle it)
+        raise ValueError(f'unexpected non-tensor entry {read_item.dest_index.fqn} in a checkpoint')
+
+
+def _load(path, state, no_dist=False):
+    reader = _Reader(path)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    need = {f'{top}.{k}' for top in ('model', 'anchor') for k in state.get(top, {})}
+    if need - saved:
+        raise ValueError(f'does not match the model: {sorted(need - saved)[:3]} not in it')
+    # optimizer: a weight that never got a gradient has no state in the file (see the docstring)
+    dcp.load(state, storage_reader=reader, planner=_Planner(allow_partial_load=True), no_dist=no_dist)
+
+
+def load(path, model, optimizers, anchor):
+    """Collective: read checkpoint `path` into the (already built and sharded) model, its
+    optimizer(s) and the anchor; returns the loop state (loop.json)."""
+    loop = read_loop(path)
+    weights = _trainable_weights(model)
+    optim_state, _ = _tensor_state(model, optimizers)  # initialises the state to load into
+    _load(path, {'model': weights, 'optim': optim_state, 'anchor': anchor.state_dict()})
+    set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizers, {'state': optim_state, 'param_groups': loop['param_groups']},
+                             options=StateDictOptions(strict=False))
+    return loop
+
+
+def load_weights(path, model):
+    """The trained weights of checkpoint `path` into a plain (unsharded) model, in one process."""
+    weights = _trainable_weights(model)
+    _load(path, {'model': weights}, no_dist=True)  # this process alone, even under torchrun
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+def read_tensors(path, part='model'):
+    """{name: tensor} of one part ('model', 'optim', 'anchor') of a checkpoint, in one process,
+    without a model to load into (built from DCP's index): for tests and inspection."""
+    md = _Reader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if k.startswith(part + '.')}
+    dcp.load(state, storage_reader=_Reader(path), planner=_Planner(), no_dist=True)
+    return {k[len(part) + 1:]: v for k, v in state.items()}
+
+
+def resolve(path):
+    """A checkpoint directory: the one given, or the newest intact one of a train.py out_dir."""
+    if os.path.isfile(os.path.join(path, LOOP)):
+        return path
+    return candidates(path, log=lambda m: print(m, file=sys.stderr))[0]
+
+
+def export(src, dest, dtype=torch.bfloat16):
+    """Checkpoint (or out_dir's newest) -> a diffusers transformer directory at dest:
+    HunyuanVideo15Transformer3DModel.from_pretrained(dest) loads it. LoRA runs: merged into the
+    base weights, and the adapter alone in dest/lora (diffusers' save_lora_adapter)."""
+    from diffusers.utils import logging
+    from model import load_policy
+    ckpt = resolve(src)
+    cfg = read_loop(ckpt)['config']
+    policy = load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
+    if cfg['lora_rank'] > 0:
+        policy.save_lora_adapter(os.path.join(dest, 'lora'))  # adapter weights + its LoraConfig
+        policy.fuse_lora()    # W += (alpha / r) B A, in float32
+        policy.unload_lora()  # back to the plain diffusers modules
+    logging.set_verbosity_error()  # its warning about float32 modules: this model has none
+    policy.to(dtype).save_pretrained(dest, safe_serialization=True, max_shard_size=EXPORT_SHARD)
+    return dest
+
+
+if __name__ == '__main__':
+    args = [a for a in sys.argv[1:] if not a.startswith('--')]
+    opts = dict(a[2:].split('=', 1) for a in sys.argv[1:] if a.startswith('--') and '=' in a)
+    if len(args) != 3 or args[0] != 'export':
+        raise SystemExit('usage: python checkpoint.py export OUT_DIR_OR_CKPT DEST [--dtype=bfloat16|float32]')
+    dt = getattr(torch, opts.get('dtype', 'bfloat16'), None)
+    if not isinstance(dt, torch.dtype):
+        raise SystemExit(f'--dtype must be a torch dtype such as bfloat16 or float32, got {opts["dtype"]!r}')
+    print(f'exported {resolve(args[1])} -> {export(args[1], args[2], dt)}')
