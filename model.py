@@ -90,13 +90,22 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False):
 
 # ----------------------------------------------------------------------------- text
 
-def encode_prompts(path, prompts, device='cpu'):
+def encode_prompts(path, prompts, device='cpu', sink=None, chunk=256):
     """{prompt: (embeds (L, D), mask (L,), embeds_2 (L2, D2), mask_2 (L2,))} on the CPU, trimmed to
-    the valid tokens (at least one), with the pipeline's own encoders (the toy's for the toy)."""
+    the valid tokens (at least one), with the pipeline's own encoders (the toy's for the toy).
+    With sink, each chunk of prompts is handed to sink(dict) as soon as it is encoded and dropped
+    (prompt_cache.py writes it to disk): host memory holds one chunk, not the prompt set."""
     prompts = sorted(set(prompts))
+    cache = {}
+    sink = sink or cache.update
     if is_toy(path):
         import toy
-        out = toy.encode_prompts(prompts)
+
+        def encode(ps):
+            try:
+                return toy.encode_prompts(ps)
+            except ValueError as e:  # a word the toy's text table has no row for: one line, no traceback
+                raise SystemExit(str(e))
     else:
         from diffusers import HunyuanVideo15Pipeline
         try:  # no transformer; freed again before training starts (diffusers 0.42 cannot skip the
@@ -105,21 +114,27 @@ def encode_prompts(path, prompts, device='cpu'):
                                                           torch_dtype=torch.bfloat16).to(device)
         except (OSError, ValueError) as e:
             raise missing_weights(path, 'text encoders', e) from e
-        with torch.no_grad():
-            parts = [pipe.encode_prompt(prompts[i:i + 8], device=device, batch_size=len(prompts[i:i + 8]))
-                     for i in range(0, len(prompts), 8)]
-        out = [torch.cat(p) for p in zip(*parts)]
-        del pipe, parts
+
+        @torch.no_grad()
+        def encode(ps):
+            parts = [pipe.encode_prompt(ps[i:i + 8], device=device, batch_size=len(ps[i:i + 8]))
+                     for i in range(0, len(ps), 8)]
+            return [torch.cat(p) for p in zip(*parts)]
+    for c in range(0, len(prompts), chunk):
+        ps = prompts[c:c + chunk]
+        e1, m1, e2, m2 = [t.detach().cpu() for t in encode(ps)]
+        out = {}
+        for i, p in enumerate(ps):
+            # count_nonzero, not sum: a bf16 sum of ones rounds above 256 (257 -> 256)
+            n1, n2 = max(1, int(m1[i].count_nonzero())), max(1, int(m2[i].count_nonzero()))
+            # valid tokens come first in both masks (right padding); clone: not a view of the batch
+            out[p] = tuple(t.clone() for t in (e1[i, :n1], m1[i, :n1], e2[i, :n2], m2[i, :n2]))
+        sink(out)
+    if not is_toy(path):
+        del pipe, encode
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    e1, m1, e2, m2 = [t.detach().cpu() for t in out]
-    cache = {}
-    for i, p in enumerate(prompts):
-        # count_nonzero, not sum: a bf16 sum of ones rounds above 256 (257 -> 256)
-        n1, n2 = max(1, int(m1[i].count_nonzero())), max(1, int(m2[i].count_nonzero()))
-        # valid tokens come first in both masks (right padding)
-        cache[p] = (e1[i, :n1], m1[i, :n1], e2[i, :n2], m2[i, :n2])
     return cache
 
 

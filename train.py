@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import checkpoint
+import prompt_cache
 import sde
 from configurator import configure
 from equalizer import scales
@@ -176,17 +177,23 @@ if master:
     print(json.dumps(config, indent=1))
 
 # ----------------------------------------------------------------------------- models
-# prompt embeddings: computed once by rank 0 with the pipeline's own encoders, cached in out_dir,
-# encoders freed before the policy is loaded
-cache_file = os.path.join(out_dir, 'prompt_cache.pt')
-wanted = set(train_list) | set(eval_list) | {negative_prompt}
-cached = torch.load(cache_file) if master and os.path.exists(cache_file) else {}
-if master and not (cached.get('model') == model and wanted <= set(cached['text'])):
-    torch.save(dict(model=model, text=encode_prompts(model, sorted(wanted), device)), cache_file + '.tmp')
-    os.replace(cache_file + '.tmp', cache_file)  # atomic: a crash never leaves half a cache
+# prompt embeddings: computed once by rank 0 with the pipeline's own encoders, written in chunks to
+# out_dir/prompt_cache (prompt_cache.py), encoders freed before the policy is loaded; every rank
+# memory-maps the cache and reads only the prompts it uses
+cache_dir = os.path.join(out_dir, 'prompt_cache')
+error = None
+if master:
+    try:
+        prompt_cache.build(cache_dir, model, set(train_list) | set(eval_list) | {negative_prompt}, device)
+    except SystemExit as e:  # e.g. a word outside the toy's vocabulary: every rank stops with it
+        error = str(e)
 if ddp:
-    dist.barrier()
-text_cache = torch.load(cache_file)['text']
+    box = [error]
+    dist.broadcast_object_list(box)  # also the barrier: the cache is complete once this returns
+    error = box[0]
+if error:
+    raise SystemExit(error)
+text_cache = prompt_cache.PromptCache(cache_dir)
 
 # resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
 ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
