@@ -35,6 +35,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import sys
 
 import warnings
@@ -231,6 +232,49 @@ def read_tensors(path, part='model'):
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if k.startswith(part + '.')}
     dcp.load(state, storage_reader=_Reader(path), planner=_Planner(), no_dist=True)
     return {k[len(part) + 1:]: v for k, v in state.items()}
+
+
+def forget_after(out_dir, iter_num):
+    """On (re)start at iteration iter_num: drop the metrics.jsonl lines and eval videos of later
+    iterations (they will run again), so that a crash leaves each iteration logged once."""
+    log = os.path.join(out_dir, 'metrics.jsonl')
+    if os.path.exists(log):
+        with open(log) as f:
+            lines = f.readlines()
+        kept = [l for l in lines if l.strip() and json.loads(l)['iter'] <= iter_num]
+        if len(kept) < len(lines):
+            with open(log + '.tmp', 'w') as f:
+                f.writelines(kept)
+            os.replace(log + '.tmp', log)
+    videos = os.path.join(out_dir, 'eval')
+    for v in os.listdir(videos) if os.path.isdir(videos) else []:
+        if v.startswith('iter') and int(v[4:10]) > iter_num:  # iter000123_4.mp4
+            os.remove(os.path.join(videos, v))
+
+
+class Preemption:
+    """The first SIGTERM asks for a checkpoint at the next safe point (see requested()); a second
+    SIGTERM, or a SIGINT, exits at once. Either way the last published checkpoint stays intact
+    (atomic publication), and the half-written temporary directory is removed by the next save."""
+
+    def __init__(self, rank=0):
+        self.rank, self.flag = rank, False
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if signum == signal.SIGINT or self.flag:
+            os._exit(128 + signum)  # at once: no cleanup that could touch the checkpoints
+        self.flag = True
+        print(f'rank {self.rank}: SIGTERM, finishing the current iteration, then checkpoint and exit', flush=True)
+
+    def requested(self, device='cpu'):
+        """Whether any rank got SIGTERM: one all_reduce, so that every rank stops at the same point."""
+        if not dist.is_initialized():
+            return self.flag
+        t = torch.tensor([float(self.flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
 
 
 def resolve(path):

@@ -10,9 +10,17 @@ SDE, a temporal gradient equalizer) and a dual trust region (moving anchor + pre
 Settings are the constants below (the paper's released defaults, shared/SPEC.md section 4);
 config files and --key=value override them (configurator.py). The loss reads like SPEC section 4.
 
+    python train.py config/toy.py --init_from=resume         # from out_dir's newest intact checkpoint
+    kill -TERM <pid>                # finish the iteration, checkpoint, exit 0 (torchrun forwards it)
+
+Checkpoints are sharded (checkpoint.py: each rank writes and reads its own shards, any world size
+resumes any checkpoint); the final one is exported to out_dir/export as a diffusers transformer.
+
 Where this code knowingly differs from the paper or its released code:
 - lambda_KL is updated once per optimizer step (the paper's count), not per sample x timestep.
 - CPS log-probabilities are the true Gaussian density (the reference drops its constants).
+- SIGTERM is honoured at the end of an iteration (the rollout batch is the unit a checkpoint can
+  resume from): the grace period a scheduler gives must cover one iteration plus a save.
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
   updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
@@ -21,7 +29,6 @@ import hashlib
 import json
 import os
 import resource
-import signal
 import time
 
 import torch
@@ -125,6 +132,10 @@ n_clips = prompts_per_iter * group_size
 if n_clips % world:
     raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world size {world}')
 n_local = n_clips // world  # clips of this rank: global indices rank * n_local + j
+
+# preemption: the first SIGTERM asks for a checkpoint at the end of the current iteration, a second
+# SIGTERM or a SIGINT exits at once (checkpoint.Preemption)
+preemption = checkpoint.Preemption(rank)
 
 
 def mix(*parts):
@@ -277,33 +288,6 @@ def save_checkpoint():
                     keep=keep_checkpoints)
 
 
-# preemption: the first SIGTERM asks for a checkpoint at the end of the current iteration (every
-# rank must agree: see stop_requested), a second SIGTERM or a SIGINT exits at once; the last
-# published checkpoint stays intact either way (atomic publication)
-preempted = False
-
-
-def on_signal(signum, frame):
-    global preempted
-    if signum == signal.SIGINT or preempted:
-        os._exit(128 + signum)  # at once: no cleanup that could touch out_dir
-    preempted = True
-    print(f'rank {rank}: SIGTERM, finishing iteration {iter_num + 1}, then checkpoint and exit', flush=True)
-
-
-signal.signal(signal.SIGTERM, on_signal)
-signal.signal(signal.SIGINT, on_signal)
-
-
-def stop_requested():
-    """Whether any rank got SIGTERM (one all_reduce: every rank stops after the same iteration)."""
-    if not ddp:
-        return preempted
-    t = torch.tensor([float(preempted)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() > 0
-
-
 def step_losses(b, t, clips):
     """Policy loss and KL terms of local clips b (list) at their trained steps t (n,), SPEC 4."""
     x, prev = clips['xs'][b, t], clips['xs'][b, t + 1]           # (n, C, F, h, w)
@@ -343,21 +327,7 @@ def grad_norm_of(loss):
 if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(config, f, indent=1)
-    # a crash leaves a clean log: what was logged after the restored checkpoint (iterations that
-    # will run again) is dropped, and so are the eval videos of those iterations
-    log_file = os.path.join(out_dir, 'metrics.jsonl')
-    if os.path.exists(log_file):
-        with open(log_file) as f:
-            lines = f.readlines()
-        kept = [l for l in lines if l.strip() and json.loads(l)['iter'] <= iter_num]
-        if len(kept) < len(lines):
-            with open(log_file + '.tmp', 'w') as f:
-                f.writelines(kept)
-            os.replace(log_file + '.tmp', log_file)
-    eval_dir = os.path.join(out_dir, 'eval')
-    for v in os.listdir(eval_dir) if os.path.isdir(eval_dir) else []:
-        if v.startswith('iter') and int(v[4:10]) > iter_num:
-            os.remove(os.path.join(eval_dir, v))
+    checkpoint.forget_after(out_dir, iter_num)  # a crash leaves a clean log: lost iterations run again
 if wandb_log and master:
     try:
         import wandb
@@ -493,7 +463,7 @@ while iter_num < max_iters:
                 f.write(json.dumps({'iter': iter_num, **{f'eval_{k}': v for k, v in ev.items()}}) + '\n')
         if last and first_eval is not None and master:
             print(f"eval composite before {first_eval['composite']:.4f} -> after {ev['composite']:.4f}")
-    stop = stop_requested()  # once per iteration, the boundary a checkpoint can resume from
+    stop = preemption.requested(device)  # every rank, once per iteration: a checkpoint resumes from here
     if (save_every and iter_num % save_every == 0) or last or stop:
         save_checkpoint()
     if stop:

@@ -112,8 +112,17 @@ def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
     run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
          '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
          '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
-         '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt'], torchrun=True)
+         '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt', '--export_dtype=float32'], torchrun=True)
     check_run(out, 1)
+    # the export is a diffusers transformer: from_pretrained loads it, it is the trained policy, and
+    # the diffusers pipeline runs with it as its transformer
+    from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel as T
+    prompts = ['a cat walks on the grass']
+    exported = T.from_pretrained(os.path.join(out, 'export'))
+    v = export_matches_policy(exported, out, root, prompts, (4, 3, 2, 2))
+    pipe = HunyuanVideo15Pipeline.from_pretrained(root, transformer=exported)
+    x = pipe(prompt=prompts, num_frames=9, height=32, width=32, num_inference_steps=2, output_type='latent').frames
+    assert x.shape == (1,) + v.shape[1:] and torch.isfinite(x).all()
 
 
 def test_sample_writes_videos_and_contact_sheet(tmp_path):
@@ -133,13 +142,41 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     assert 'contact sheet' in p.stdout
 
 
-def test_lora_trains_only_adapters(tmp_path):
+def test_lora_trains_only_adapters_and_exports(tmp_path):
     out = str(tmp_path / 'lora')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4'])
+    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4', '--export_dtype=float32'])
     check_run(out, 1)
     w = weights(out)  # the checkpoint holds the adapters and nothing else
     assert w and all('lora' in k for k in w), list(w)[:5]
     assert any(v.abs().sum() > 0 for k, v in w.items() if 'lora_B' in k)  # B started at 0 and moved
+    # the export: LoRA merged into a plain diffusers transformer, and the adapter alone, which
+    # diffusers' load_lora_adapter puts on the base model: both are the trained policy
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    v = export_matches_policy(T.from_pretrained(os.path.join(out, 'export')), out, 'assets/toy', lora_rank=4)
+    base = T.from_pretrained('assets/toy', subfolder='transformer')
+    base.load_lora_adapter(os.path.join(out, 'export', 'lora'), prefix=None, use_safetensors=True)
+    torch.testing.assert_close(velocity_of(base, 'assets/toy'), v, atol=1e-5, rtol=1e-5)
+
+
+def velocity_of(net, base, prompts=('a red circle moving left',), shape=None):
+    import model as M
+    x = torch.randn(len(prompts), *(shape or M.latent_shape(base, 0, 0, 0)), generator=torch.Generator().manual_seed(0))
+    text = M.batch_text(M.encode_prompts(base, list(prompts)), list(prompts), 'cpu')
+    with torch.no_grad():
+        return M.velocity(net.float().eval(), x, torch.full((len(prompts),), 0.7), text)
+
+
+def export_matches_policy(exported, out, base, prompts=('a red circle moving left',), shape=None, lora_rank=0, tol=1e-5):
+    """The exported transformer's velocity is the policy's of out's newest checkpoint (fp32 export)."""
+    import checkpoint
+    import model as M
+    with open(os.path.join(out, 'latest')) as f:
+        ckpt = os.path.join(out, f.read().strip())
+    policy = checkpoint.load_weights(ckpt, M.load_policy(base, 'cpu', lora_rank=lora_rank))
+    v = velocity_of(policy, base, prompts, shape)
+    torch.testing.assert_close(velocity_of(exported, base, prompts, shape), v, atol=tol, rtol=tol)
+    assert not torch.equal(velocity_of(M.load_transformer(base), base, prompts, shape), v)  # it trained
+    return v
 
 
 # train.py with the toy reward wrapped: the second video of every reward call is unscored (NaN), or
