@@ -26,8 +26,9 @@ Where this differs from a plain dcp.save of everything, and why:
   which would pickle it and unpickle it with weights_only=False; DCP's own .metadata index is read
   with an unpickler that admits only DCP's metadata classes.
 - a weight that never got a gradient has no AdamW state in the saved run, but the load template
-  has one (DCP initialises the state with a zero-lr step); it is left as initialised: a weight
-  without gradient is never updated, so resume stays bitwise exact.
+  has one (the state is initialised with a zero-gradient, zero-lr step, one parameter at a time);
+  it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
+  exact.
 
 Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
 """
@@ -79,6 +80,22 @@ def _trainable_weights(model):
     _reshard(model)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in get_model_state_dict(model).items() if k in names}
+
+
+def _init_state(optimizers):
+    # the optimizer state to load into, one parameter at a time: a zero-gradient, zero-lr step of
+    # a one-parameter copy of its optimizer (any torch.optim class: AdamW, Muon, ...). DCP's own
+    # initialisation steps all parameters at once, a whole model's gradients in flight.
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group['params']:
+                if p in opt.state or not p.requires_grad:
+                    continue
+                one = type(opt)([{**group, 'params': [p], 'lr': 0.0}])
+                p.grad = torch.zeros_like(p)
+                one.step()  # lr 0: the weight is unchanged, bitwise
+                p.grad = None
+                opt.state[p] = one.state[p]
 
 
 def _tensor_state(model, optimizers):
@@ -209,7 +226,8 @@ def load(path, model, optimizers, anchor):
     optimizer(s) and the anchor; returns the loop state (loop.json)."""
     loop = read_loop(path)
     weights = _trainable_weights(model)
-    optim_state, _ = _tensor_state(model, optimizers)  # initialises the state to load into
+    _init_state(optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
+    optim_state, _ = _tensor_state(model, optimizers)  # the tensors to load into
     _load(path, {'model': weights, 'optim': optim_state, 'anchor': anchor.state_dict()})
     set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizers, {'state': optim_state, 'param_groups': loop['param_groups']},
