@@ -1,5 +1,6 @@
 """
-What a checkpoint and a resume cost as the model grows: random HunyuanVideo15Transformer3DModel
+What a checkpoint and a resume cost as the model grows, and what the prompt cache costs a rank as
+the prompt set grows. Checkpoints: random HunyuanVideo15Transformer3DModel
 configs of about 20M, 80M and 320M parameters, in one process and on 2 FSDP2 ranks (gloo, CPU),
 with this project's sharded checkpoints (checkpoint.py, DCP) and with the code they replaced (a full
 state gathered to rank 0 and pickled into one state.pt; on resume every rank torch.loads all of it:
@@ -19,6 +20,10 @@ libraries, process group), as a fraction of the full training state. glibc is to
 Extrapolation to 8.3B on 8 ranks: per implementation and phase the fraction of the full state a
 rank holds is fitted as a + b/N from N = 1 and 2 at the largest config (a: what every rank holds
 whole, b: what is sharded), then per rank = (a + b/8) x 16 B x 8.3e9 and per node = 8 x that.
+
+Prompt cache: 100 and 10,000 synthetic prompts of 2.2 MB (300 x 3584 bf16 Qwen embeddings) written
+by prompt_cache.build (rank 0, chunk by chunk); a fresh process (one rank) opens the cache and reads
+64 prompts; the old single torch.save'd file is loaded whole where it fits in RAM.
 """
 import json
 import os
@@ -38,6 +43,12 @@ CONFIGS = (('20M', 3, 6), ('80M', 7, 8), ('320M', 14, 12))
 TARGET_P = 8.3e9                # HunyuanVideo 1.5
 TARGET_N = 8                    # GPUs (ranks) of one node
 BYTES_PER_PARAM = 16            # fp32 weights + AdamW exp_avg, exp_avg_sq + anchor
+PROMPT_COUNTS = (100, 10000)     # prompt-set sizes of the prompt-cache measurement
+PROMPT_TOKENS, PROMPT_DIM = 300, 3584  # a prompt's Qwen embeddings: ~300 tokens x 3584 bf16 = 2.2 MB
+PROMPT_READS = 64               # prompts one rank reads in the measurement
+OLD_MAX_P = 1.2e8               # the old code is measured up to this size (at 320M its 2-rank resume
+                                # needs ~14 GB on this shared 23 GB machine; its fraction is flat in P)
+OLD_CACHE_MAX = 4e9             # the old single-file cache is measured only below this size (host RAM)
 README_BEGIN, README_END = '<!-- bench_checkpoint:begin -->', '<!-- bench_checkpoint:end -->'
 
 
@@ -181,13 +192,98 @@ def measure(layers, heads, impl, nproc, name):
     return res
 
 
+# ----------------------------------------------------------------------------- prompt cache
+def fake_encode(model, prompts, device='cpu', sink=None, chunk=256):
+    # model.encode_prompts' signature, synthetic embeddings of PROMPT_TOKENS x PROMPT_DIM bf16
+    for c in range(0, len(prompts), chunk):
+        sink({p: (torch.full((PROMPT_TOKENS, PROMPT_DIM), float(c + i), dtype=torch.bfloat16),
+                  torch.ones(PROMPT_TOKENS), torch.zeros(1, 8), torch.zeros(1)) for i, p in enumerate(prompts[c:c + chunk])})
+
+
+def prompt_worker(kind, path, n, reads, result):
+    """One rank's view of the cache: open it, read `reads` prompts (a rank's share of some
+    iterations); old: torch.load of the whole cache file. Peak RSS and seconds."""
+    import prompt_cache
+    base = rss()
+    prompts = [f'synthetic prompt {i}' for i in range(n)]
+    t0 = time.perf_counter()
+    with Peak() as pk:
+        if kind == 'new':
+            cache = prompt_cache.PromptCache(path)
+            t_open = time.perf_counter() - t0
+            got = [cache[prompts[(i * 7919) % n]] for i in range(reads)]  # scattered over the shards
+        else:
+            cache = torch.load(path)['text']
+            t_open = time.perf_counter() - t0
+            got = [cache[prompts[(i * 7919) % n]] for i in range(reads)]
+    r = dict(base=base, peak=pk.peak, t_open=t_open, t_total=time.perf_counter() - t0, n_got=len(got))
+    with open(result, 'w') as f:
+        json.dump(r, f)
+
+
+def bench_prompt_cache():
+    """Write caches of 100 and 10,000 synthetic prompts once (rank 0's job), then measure one
+    rank's open time and memory; the old single-file cache is measured where it fits in RAM."""
+    import shutil
+    import prompt_cache
+    res = {}
+    per_prompt = PROMPT_TOKENS * PROMPT_DIM * 2  # bytes of the embeddings (bf16)
+    for n in PROMPT_COUNTS:
+        prompts = [f'synthetic prompt {i}' for i in range(n)]
+        path = os.path.join(work, f'prompts_{n}')
+        shutil.rmtree(path, ignore_errors=True)
+        t0 = time.perf_counter()
+        prompt_cache.build(path, 'synthetic', prompts, encode_prompts=fake_encode)
+        t_write = time.perf_counter() - t0
+        row = dict(n=n, cache_gb=n * per_prompt / 1e9, t_write=t_write)
+        kinds = [('new', path)]
+        if n * per_prompt < OLD_CACHE_MAX:  # the old way: one torch.save'd dict, loaded whole by every rank
+            old = os.path.join(work, f'prompts_{n}.pt')
+            cache = {}
+            fake_encode('synthetic', prompts, sink=cache.update)
+            torch.save(dict(model='synthetic', text=cache), old)
+            del cache
+            kinds.append(('old', old))
+        for kind, p in kinds:
+            result = os.path.join(work, f'prompts_{n}_{kind}.json')
+            subprocess.run([sys.executable, __file__, '--prompt-worker', json.dumps([kind, p, n, PROMPT_READS, result])],
+                           check=True, env=dict(os.environ, OMP_NUM_THREADS='1', MALLOC_MMAP_THRESHOLD_=str(1 << 20)),
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+            row[kind] = json.load(open(result))
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.exists(os.path.join(work, f'prompts_{n}.pt')):
+            os.remove(os.path.join(work, f'prompts_{n}.pt'))
+        res[n] = row
+        print(f'prompt cache {n}: written in {t_write:.1f} s', flush=True)
+    md = ['', '### Prompt-embedding cache (prompt_cache.py)', '',
+          f'Synthetic prompts of {per_prompt / 1e6:.1f} MB each ({PROMPT_TOKENS} x {PROMPT_DIM} bf16). One rank opens the '
+          f'cache and reads {PROMPT_READS} prompts scattered over it (a rank\'s share of many iterations); memory = peak RSS '
+          'minus the RSS before, in a fresh process. `old`: one torch.save\'d file that every rank torch.loads whole '
+          f'(measured where it fits in this machine\'s RAM, else marked as the cache size it would hold).', '',
+          '| prompts | cache GB | written by rank 0 in s | new: open s | new: per-rank memory GB | old: load s | old: per-rank memory GB | old: 8 ranks GB |',
+          '|---|---|---|---|---|---|---|---|']
+    for n, row in res.items():
+        new, old = row['new'], row.get('old')
+        mem_old = (old['peak'] - old['base']) / 1e9 if old else row['cache_gb']
+        t_old = f'{old["t_open"]:.2f}' if old else '-'
+        md.append(f'| {n} | {row["cache_gb"]:.2f} | {row["t_write"]:.1f} | {new["t_open"]:.3f} | '
+                  f'{(new["peak"] - new["base"]) / 1e9:.3f} | {t_old} | '
+                  f'{mem_old:.2f}{"" if old else " (not run: the cache size)"} | {8 * mem_old:.0f} |')
+    return res, md
+
+
 # ----------------------------------------------------------------------------- main
 def main():
+    global PROMPT_COUNTS
     configs = CONFIGS[:1] if quick else CONFIGS
+    if quick:
+        PROMPT_COUNTS = (10, 100)
     R = {}
     for name, layers, heads in configs:
         for impl in ('dcp', 'old'):
             for nproc in (1, 2):
+                if impl == 'old' and R.get(f'{name} dcp 1', {}).get('P', 0) > OLD_MAX_P:
+                    continue
                 t0 = time.time()
                 r = measure(layers, heads, impl, nproc, name)
                 P = r['save'][0]['P']
@@ -203,16 +299,17 @@ def main():
                 R[f'{name} {impl} {nproc}'] = row
                 print(f'{name} {impl} N={nproc}: save frac {max(row["save"]["frac"]):.2f}, resume frac '
                       f'{max(row["resume"]["frac"]):.2f} ({time.time() - t0:.0f} s)', flush=True)
-    # extrapolation: fraction per rank = a + b / N from N = 1, 2 at the largest config
-    big = configs[-1][0]
+    # extrapolation: a rank holds its 1/N share of the state plus g (what it holds beyond its share:
+    # gathered copies, a whole loaded file, staging), g measured at N = 2 on the largest config
     ext = {}
+    ST = BYTES_PER_PARAM * TARGET_P / 1e9
     for impl in ('dcp', 'old'):
+        big = [name for name, _, _ in configs if f'{name} {impl} 2' in R][-1]  # the largest measured
         for phase in ('save', 'resume'):
-            f1, f2 = max(R[f'{big} {impl} 1'][phase]['frac']), max(R[f'{big} {impl} 2'][phase]['frac'])
-            b = 2 * (f1 - f2)
-            a = f1 - b
-            per_rank = (a + b / TARGET_N) * BYTES_PER_PARAM * TARGET_P / 1e9
-            ext[f'{impl} {phase}'] = dict(a=a, b=b, per_rank_gb=per_rank, node_gb=TARGET_N * per_rank)
+            fr = R[f'{big} {impl} 2'][phase]['frac']
+            g, g_other = max(fr) - 0.5, min(fr) - 0.5  # the worst rank (rank 0 gathers), the others
+            ext[f'{impl} {phase}'] = dict(g=g, fitted_at=big, cpu_rank_gb=(1 / TARGET_N + g) * ST, host_rank_gb=g * ST,
+                                          host_node_gb=(g + (TARGET_N - 1) * max(g_other, 0)) * ST)
     md = ['## Checkpoint and resume cost (bench_checkpoint.py)', '',
           f'Random HunyuanVideo15Transformer3DModel configs, fp32 training state = 16 bytes a parameter (weights, '
           f'AdamW moments, anchor), on this machine\'s 2 CPU cores (gloo). `dcp`: checkpoint.py (each rank writes '
@@ -229,27 +326,36 @@ def main():
                   f'{" / ".join(f"{g:.2f}" for g in s["peak_gb"])} | **{max(s["frac"]):.2f}** | '
                   f'{" / ".join(f"{g:.2f}" for g in r["peak_gb"])} | **{max(r["frac"]):.2f}** | '
                   f'{" / ".join(f"{g:.2f}" for g in s["written_gb"])} | {s["seconds"]:.1f} | {r["seconds"]:.1f} |')
+    big = configs[-1][0]
     d = {ph: max(R[f'{big} dcp 2'][ph]['peak_gb']) / max(R[f'{big} dcp 1'][ph]['peak_gb']) for ph in ('save', 'resume')}
-    md += ['', f'At {big}, 2 ranks vs 1 process, per-rank peak (absolute): save {d["save"]:.2f}x, resume '
-           f'{d["resume"]:.2f}x with dcp.', '',
-           f'Extrapolated to {TARGET_P / 1e9:.1f}B parameters on {TARGET_N} ranks (fraction per rank = a + b/N, fitted '
-           f'at {big}; full state {BYTES_PER_PARAM * TARGET_P / 1e9:.0f} GB):', '',
-           '| code, phase | a (whole on every rank) | b (sharded) | GB per rank | GB per node (8 ranks) |',
-           '|---|---|---|---|---|']
-    md += [f'| {k} | {v["a"]:.2f} | {v["b"]:.2f} | {v["per_rank_gb"]:.0f} | {v["node_gb"]:.0f} |' for k, v in ext.items()]
-    worst = max(ext['dcp save']['node_gb'], ext['dcp resume']['node_gb'])
-    old_worst = max(ext['old save']['per_rank_gb'], ext['old resume']['node_gb'])
-    md += ['', f'A node that trains the 8.3B model with these checkpoints needs about {worst:.0f} GB of host RAM for the '
-           f'training state across its 8 ranks during a save or a resume (the state itself is '
-           f'{BYTES_PER_PARAM * TARGET_P / 1e9:.0f} GB; on GPUs it lives in device memory and DCP stages it one '
-           f'tensor at a time), plus each process\'s interpreter; the old code needed up to {old_worst:.0f} GB.']
+    md += ['', f'**At {big}, 2 ranks vs 1 process, per-rank peak RSS (absolute, interpreter included): save '
+           f'{d["save"]:.2f}x, resume {d["resume"]:.2f}x** with dcp. The old code is not run above '
+           f'{OLD_MAX_P / 1e6:.0f}M parameters (its 2-rank resume would need ~14 GB of this shared machine\'s 23 GB); '
+           'its fractions do not depend on the size.', '',
+           f'Extrapolated to {TARGET_P / 1e9:.1f}B parameters on {TARGET_N} ranks (full state {ST:.0f} GB): a rank '
+           f'holds its 1/N share plus g, what it holds beyond its share (gathered copies, a whole loaded file, '
+           f'staging), g = fraction - 1/2 measured at 2 ranks on the largest config run. On GPUs the share lives '
+           f'in device memory, so g x {ST:.0f} GB is the host RAM a rank needs during a save or resume:', '',
+           '| code, phase | measured at | g (worst rank) | GB per rank, state on CPU | host GB per rank, state on GPUs | host GB per node (8 ranks: the worst + 7 others) |',
+           '|---|---|---|---|---|---|']
+    md += [f'| {k} | {v["fitted_at"]} | {v["g"]:.2f} | {v["cpu_rank_gb"]:.0f} | {v["host_rank_gb"]:.0f} | '
+           f'{v["host_node_gb"]:.0f} |' for k, v in ext.items()]
+    worst = max(ext['dcp save']['host_node_gb'], ext['dcp resume']['host_node_gb'])
+    old_worst = max(ext['old save']['host_node_gb'], ext['old resume']['host_node_gb'])
+    md += ['', f'**A node of 8 GPUs training the 8.3B model needs about {worst:.0f} GB of host RAM beyond its '
+           f'processes\' baseline during a save or a resume with sharded checkpoints; the old code needed about '
+           f'{old_worst:.0f} GB** (the old save holds the whole state on rank 0; the old resume loads it on '
+           'every rank). Both are upper bounds from CPU runs, where DCP\'s staging copies and the freshly '
+           'initialised optimizer state count as well.']
+    pc, pc_md = bench_prompt_cache()
+    md += pc_md
     os.makedirs(out, exist_ok=True)
     text = '\n'.join(md) + '\n'
     with open(os.path.join(out, 'checkpoint.md'), 'w') as f:
         f.write(f'<!-- written by python bench_checkpoint.py{" --quick" if quick else ""}, '
                 f'{time.strftime("%Y-%m-%d %H:%M")}, torch {torch.__version__} -->\n' + text)
     with open(os.path.join(out, 'checkpoint.json'), 'w') as f:
-        json.dump(dict(runs=R, extrapolation=ext, quick=quick), f, indent=1)
+        json.dump(dict(runs=R, extrapolation=ext, prompt_cache=pc, quick=quick), f, indent=1)
     if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
         readme = open('README.md').read()
         if README_BEGIN in readme:
@@ -261,9 +367,9 @@ def main():
 
 
 if __name__ == '__main__':
-    if len(sys.argv) > 2 and sys.argv[1] == '--worker':
+    if len(sys.argv) > 2 and sys.argv[1] in ('--worker', '--prompt-worker'):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        worker(*json.loads(sys.argv[2]))
+        (worker if sys.argv[1] == '--worker' else prompt_worker)(*json.loads(sys.argv[2]))
     else:
         from configurator import configure
         configure(globals())

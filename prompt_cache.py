@@ -31,10 +31,12 @@ def key(prompt):
     return hashlib.sha256(prompt.encode('utf-8')).hexdigest()[:32]
 
 
-def build(path, model, prompts, device='cpu', chunk=CHUNK):
-    """Encode the prompts not yet in the cache at `path` (all, if it was built for another model)."""
+def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
+    """Encode the prompts not yet in the cache at `path` (all, if it was built for another model).
+    encode_prompts: model.encode_prompts, or a stand-in with its signature (bench_checkpoint.py)."""
     from safetensors.torch import save_file
-    from model import encode_prompts
+    if encode_prompts is None:
+        from model import encode_prompts
     index = {}
     if os.path.exists(os.path.join(path, INDEX)):
         with open(os.path.join(path, INDEX)) as f:
