@@ -41,13 +41,17 @@ def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
     if os.path.exists(os.path.join(path, INDEX)):
         with open(os.path.join(path, INDEX)) as f:
             index = json.load(f)
-    if index.get('model') != model:  # another model's embeddings: start over
-        shutil.rmtree(path, ignore_errors=True)
+    stale = index.get('model') != model  # another model's embeddings (or none): start over
+    if stale:
         index = dict(model=model, prompts={})
-    os.makedirs(path, exist_ok=True)
     missing = sorted(p for p in set(prompts) if key(p) not in index['prompts'])
 
     def write(embeds):  # one chunk: {prompt: 4 tensors} -> a new shard, then the index
+        nonlocal stale
+        if stale:  # replaced only once this model's first chunk is encoded: a bad model path or
+            shutil.rmtree(path, ignore_errors=True)  # prompt fails before touching the cache
+            stale = False
+        os.makedirs(path, exist_ok=True)
         name = f'{len({*index["prompts"].values()}):05d}.safetensors'
         tensors = {f'{key(p)}.{j}': t.contiguous() for p, ts in embeds.items() for j, t in enumerate(ts)}
         save_file(tensors, os.path.join(path, name + '.tmp'))

@@ -2,10 +2,12 @@
 train.py and sample.py end to end, as a user runs them (subprocesses):
 - two toy iterations in one process and under torchrun --nproc_per_node=2 (FSDP2, gloo): finite
   losses, rewards logged, a checkpoint written;
-- resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process;
+- resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process
+  (checkpoints are sharded DCP directories, read here with checkpoint.read_tensors);
 - the real HunyuanVideo 1.5 path with tiny random diffusers parts and the tiny VideoAlign of the
   reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks;
-- bad settings fail with a clear message and touch nothing already written; a NaN reward drops its
+- bad settings and bad prompt files (not UTF-8, a word outside the toy's vocabulary) fail with a
+  clear one-line message and touch nothing already written; a NaN reward drops its
   clip, and an all-NaN iteration stops the run before the update;
 - sample.py writes mp4 files that read back with the right shape, and the contact sheet.
 """
@@ -88,8 +90,14 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
     empty = tmp_path / 'empty.txt'
     empty.write_text('\n')
+    latin1 = tmp_path / 'latin1.txt'
+    latin1.write_bytes('a red circle moving left\na caf\xe9 moving up\n'.encode('latin-1'))
+    unknown = tmp_path / 'unknown.txt'
+    unknown.write_text('a purple circle moving left\n')
     cases = [(['--group_size=1'], 'group_size must be at least 2'),
              ([f'--train_prompts={empty}'], 'is empty'),
+             ([f'--train_prompts={latin1}'], 'is not UTF-8 text (line 2: byte 0xe9)'),
+             ([f'--eval_prompts={unknown}'], "'purple' not in the toy vocabulary (a moving red green blue yellow"),
              (['--train_prompts=nope.txt'], 'not found'),
              (['--no_such_key=1'], "unknown setting 'no_such_key'"),
              (['--eta=fast'], 'eta must be float'),
@@ -97,6 +105,7 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
     for args, message in cases:
         p = run(SMALL + [f'--out_dir={out}'] + args, check=False)
         assert p.returncode != 0 and message in p.stdout + p.stderr, (args, p.stderr[-2000:])
+        assert 'Traceback' not in p.stderr, (args, p.stderr[-2000:])  # one clear line
     p = run(SMALL + ['--prompts_per_iter=3', '--group_size=3', f'--out_dir={tmp_path / "odd"}'], torchrun=True, check=False)
     assert p.returncode != 0 and 'divisible by the world size' in p.stdout + p.stderr
     after = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
