@@ -6,7 +6,7 @@ Training state that scales with the model: sharded checkpoints with torch.distri
         __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
         .metadata                     DCP's index of the shards (which rank wrote which slice)
         loop.json                     iteration, optimizer steps, lambda_KL controller, optimizer
-                                      hyperparameters, config, and the size of every file (the manifest)
+                                      hyperparameters, config, and every file's size and crc32
     <out_dir>/latest                  the name of the newest published checkpoint
 
     python checkpoint.py export out-toy out-toy/export              # the newest checkpoint of a run
@@ -38,6 +38,7 @@ import pickle
 import shutil
 import signal
 import sys
+import zlib
 
 import warnings
 
@@ -118,8 +119,9 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
     optim_state, groups = _tensor_state(model, optimizers)
     dcp.save({'model': _trainable_weights(model), 'optim': optim_state, 'anchor': dict(anchor_state)},
              checkpoint_id=tmp)  # every rank writes __<rank>_0.distcp; rank 0 also .metadata
+    _barrier()
+    files = _checksums(tmp)  # each rank hashes a 1/N share of the files: [size, crc32] by name
     if _master():
-        files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
         with open(os.path.join(tmp, LOOP), 'w') as f:
             json.dump(dict(loop, param_groups=groups, files=files), f, indent=1)
         shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same iteration
@@ -136,8 +138,37 @@ def _is_ckpt(d):
     return d.startswith(PREFIX) and not d.endswith('.tmp')
 
 
+def _crc(path):
+    crc = 0
+    with open(path, 'rb') as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _share(names):
+    # this rank's share of a list of files, and a way to merge every rank's findings
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return sorted(names)[rank::world], world
+
+
+def _merge(part, world):
+    if world == 1:
+        return [part]
+    parts = [None] * world
+    dist.all_gather_object(parts, part)
+    return parts
+
+
+def _checksums(path):
+    mine, world = _share(os.listdir(path))
+    part = {f: [os.path.getsize(os.path.join(path, f)), _crc(os.path.join(path, f))] for f in mine}
+    return {k: v for p in _merge(part, world) for k, v in p.items()}
+
+
 def damage(path):
-    """None if `path` is an intact checkpoint, else why not (one line)."""
+    """None if `path` is an intact checkpoint, else why not (one line). Collective under torchrun:
+    every file's size and crc32 is checked once, by one rank (1/N of the reading each)."""
     try:
         with open(os.path.join(path, LOOP)) as f:
             files = json.load(f)['files']
@@ -145,17 +176,24 @@ def damage(path):
         return f'no {LOOP}'
     except (OSError, ValueError, KeyError) as e:
         return f'{LOOP} unreadable ({e})'
-    for f, size in files.items():
-        p = os.path.join(path, f)
+    mine, world = _share(files)
+    why = None
+    for f in mine:
+        p, (size, crc) = os.path.join(path, f), files[f]
         if not os.path.exists(p):
-            return f'{f} is missing'
-        if os.path.getsize(p) != size:
-            return f'{f} is {os.path.getsize(p)} bytes, {size} were written'
-    return None
+            why = f'{f} is missing'
+        elif os.path.getsize(p) != size:
+            why = f'{f} is {os.path.getsize(p)} bytes, {size} were written'
+        elif _crc(p) != crc:
+            why = f'{f} has changed since it was written (crc32)'
+        if why:
+            break
+    return next((w for w in _merge(why, world) if w), None)
 
 
 def candidates(out_dir, log=print):
-    """Intact checkpoints of out_dir, newest first; says which ones are skipped and why."""
+    """Checkpoints of out_dir to resume from, newest first, the first one verified intact; says
+    which ones are skipped and why. Collective under torchrun (see damage)."""
     found = sorted((d for d in os.listdir(out_dir) if _is_ckpt(d)), reverse=True) if os.path.isdir(out_dir) else []
     latest = os.path.join(out_dir, 'latest')
     if os.path.exists(latest):
@@ -164,12 +202,13 @@ def candidates(out_dir, log=print):
         if named not in found:
             log(f'warning: {latest} names {named}, which is gone')
     good = []
-    for d in found:
-        why = damage(os.path.join(out_dir, d))
+    for i, d in enumerate(found):  # verified newest first, up to the first intact one; the older
+        why = damage(os.path.join(out_dir, d))  # ones stay as fallbacks should its load fail
         if why:
             log(f'warning: checkpoint {os.path.join(out_dir, d)} is damaged ({why}): skipped')
         else:
-            good.append(os.path.join(out_dir, d))
+            good = [os.path.join(out_dir, d) for d in found[i:]]
+            break
     if not good:
         raise SystemExit(f'init_from=resume but {out_dir!r} has no intact checkpoint'
                          + (f' (found {", ".join(found)})' if found else ''))

@@ -41,7 +41,7 @@ import prompt_cache
 import sde
 from configurator import configure
 from equalizer import scales
-from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
+from model import batch_text, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4, velocity
 from reward import combine, group_advantages
 from trust_region import Anchor, KLController, gaussian_kl

@@ -7,7 +7,8 @@ resume code), tested as a user meets it: real signals on running toy runs, then 
   those of an uninterrupted run.
 - SIGTERM on torchrun (2 ranks): every rank stops after the same iteration; the checkpoint has one
   shard file per rank; it resumes in one process and back on 2 ranks (DCP reshards).
-- a damaged newest checkpoint and a `latest` naming a gone one are named and skipped.
+- a damaged newest checkpoint (other bytes, or truncated) and a `latest` naming a gone one are
+  named and skipped.
 - the export (bf16) loads with diffusers' from_pretrained and gives the policy's velocity (the
   fp32, LoRA and HunyuanVideo-pipeline checks are in test_train.py).
 - the prompt cache reads back what was encoded, from memory-mapped shards.
@@ -102,13 +103,19 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
     ck = sorted(d for d in os.listdir(out) if d.startswith('ckpt_') and not d.endswith('.tmp'))
     assert len(ck) == 2  # keep_checkpoints
     shard = os.path.join(out, ck[-1], '__0_0.distcp')
-    with open(shard, 'r+b') as f:
-        f.truncate(os.path.getsize(shard) // 2)
+    with open(shard, 'r+b') as f:  # silent corruption: same size, other bytes
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b'\0' * 4096)
     with open(os.path.join(out, 'latest'), 'w') as f:
         f.write('ckpt_000099')
     p = run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={int(ck[0][5:])}', '--export_dtype='])
     assert 'names ckpt_000099, which is gone' in p.stdout
-    assert f'{ck[-1]} is damaged (__0_0.distcp is' in p.stdout and f'resumed from {os.path.join(out, ck[0])}' in p.stdout
+    assert f'{ck[-1]} is damaged (__0_0.distcp has changed since it was written' in p.stdout
+    assert f'resumed from {os.path.join(out, ck[0])}' in p.stdout
+    with open(shard, 'r+b') as f:  # truncated
+        f.truncate(os.path.getsize(shard) // 2)
+    assert checkpoint.damage(os.path.join(out, ck[-1])).startswith('__0_0.distcp is ')
+    assert checkpoint.damage(os.path.join(out, ck[0])) is None
     # nothing intact at all: one clear line
     with open(os.path.join(out, ck[0], 'loop.json'), 'w') as f:
         f.write('{')
