@@ -8,6 +8,7 @@ reimplemented below from git history, f775d5f train.py save_checkpoint and its r
 
     python bench_checkpoint.py              # ~5 min on 2 cores; results/checkpoint.{md,json}, README block
     python bench_checkpoint.py --quick=True # the 20M config only (a smoke test)
+    python bench_checkpoint.py --parts=prompts   # one part again, the other keeps its last results
 
 Each measurement is a fresh child process (or 2 under torchrun): build the model, one AdamW step
 (random gradients) and an anchor: the training state is fp32 weights + 2 AdamW moments + anchor =
@@ -38,6 +39,7 @@ import torch
 out = 'results'                 # checkpoint.md and checkpoint.json go here
 work = '/tmp/bench_checkpoint'  # checkpoints are written here (deleted after each measurement)
 quick = False                   # the smallest config only
+parts = 'checkpoint,prompts'    # which measurements to run (the other keeps its last results)
 # random HunyuanVideo15Transformer3DModel configs: (name, num_layers, num_attention_heads); head dim 64
 CONFIGS = (('20M', 3, 6), ('80M', 7, 8), ('320M', 14, 12))
 TARGET_P = 8.3e9                # HunyuanVideo 1.5
@@ -211,11 +213,11 @@ def prompt_worker(kind, path, n, reads, result):
         if kind == 'new':
             cache = prompt_cache.PromptCache(path)
             t_open = time.perf_counter() - t0
-            got = [cache[prompts[(i * 7919) % n]] for i in range(reads)]  # scattered over the shards
         else:
             cache = torch.load(path)['text']
             t_open = time.perf_counter() - t0
-            got = [cache[prompts[(i * 7919) % n]] for i in range(reads)]
+        # every byte read, as batch_text's copies read them (a safetensors mmap is read lazily)
+        got = [float(cache[prompts[(i * 7919) % n]][0].float().sum()) for i in range(reads)]
     r = dict(base=base, peak=pk.peak, t_open=t_open, t_total=time.perf_counter() - t0, n_got=len(got))
     with open(result, 'w') as f:
         json.dump(r, f)
@@ -257,8 +259,8 @@ def bench_prompt_cache():
         print(f'prompt cache {n}: written in {t_write:.1f} s', flush=True)
     md = ['', '### Prompt-embedding cache (prompt_cache.py)', '',
           f'Synthetic prompts of {per_prompt / 1e6:.1f} MB each ({PROMPT_TOKENS} x {PROMPT_DIM} bf16). One rank opens the '
-          f'cache and reads {PROMPT_READS} prompts scattered over it (a rank\'s share of many iterations); memory = peak RSS '
-          'minus the RSS before, in a fresh process. `old`: one torch.save\'d file that every rank torch.loads whole '
+          f'cache and reads {PROMPT_READS} prompts scattered over it (a rank\'s share of many iterations), every byte of them; memory = peak RSS '
+          'minus the RSS before, in a fresh process (it counts the memory-mapped pages read, shared by the ranks through the OS). `old`: one torch.save\'d file that every rank torch.loads whole '
           f'(measured where it fits in this machine\'s RAM, else marked as the cache size it would hold).', '',
           '| prompts | cache GB | written by rank 0 in s | new: open s | new: per-rank memory GB | old: load s | old: per-rank memory GB | old: 8 ranks GB |',
           '|---|---|---|---|---|---|---|---|']
@@ -273,11 +275,8 @@ def bench_prompt_cache():
 
 
 # ----------------------------------------------------------------------------- main
-def main():
-    global PROMPT_COUNTS
+def bench_checkpoints():
     configs = CONFIGS[:1] if quick else CONFIGS
-    if quick:
-        PROMPT_COUNTS = (10, 100)
     R = {}
     for name, layers, heads in configs:
         for impl in ('dcp', 'old'):
@@ -347,15 +346,29 @@ def main():
            f'{old_worst:.0f} GB** (the old save holds the whole state on rank 0; the old resume loads it on '
            'every rank). Both are upper bounds from CPU runs, where DCP\'s staging copies and the freshly '
            'initialised optimizer state count as well.']
-    pc, pc_md = bench_prompt_cache()
-    md += pc_md
+    return dict(runs=R, extrapolation=ext), md
+
+
+def main():
+    global PROMPT_COUNTS
+    if quick:
+        PROMPT_COUNTS = (10, 100)
+    prev = {}
+    if os.path.exists(os.path.join(out, 'checkpoint.json')):
+        with open(os.path.join(out, 'checkpoint.json')) as f:
+            prev = json.load(f)
+    # --parts=prompts reruns one part; the other keeps its numbers and table from the last run
+    ck, ck_md = bench_checkpoints() if 'checkpoint' in parts else (prev['checkpoint'], prev['markdown_checkpoint'])
+    pc, pc_md = bench_prompt_cache() if 'prompts' in parts else (prev['prompt_cache'], prev['markdown_prompts'])
+    md = ck_md + pc_md
     os.makedirs(out, exist_ok=True)
     text = '\n'.join(md) + '\n'
     with open(os.path.join(out, 'checkpoint.md'), 'w') as f:
         f.write(f'<!-- written by python bench_checkpoint.py{" --quick" if quick else ""}, '
                 f'{time.strftime("%Y-%m-%d %H:%M")}, torch {torch.__version__} -->\n' + text)
     with open(os.path.join(out, 'checkpoint.json'), 'w') as f:
-        json.dump(dict(runs=R, extrapolation=ext, prompt_cache=pc, quick=quick), f, indent=1)
+        json.dump(dict(checkpoint=ck, prompt_cache=pc, markdown_checkpoint=ck_md, markdown_prompts=pc_md,
+                       quick=quick), f, indent=1)
     if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
         readme = open('README.md').read()
         if README_BEGIN in readme:
