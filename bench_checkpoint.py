@@ -373,7 +373,11 @@ def main():
         readme = open('README.md').read()
         if README_BEGIN in readme:
             head, rest = readme.split(README_BEGIN)
-            readme = head + README_BEGIN + '\n' + text + rest[rest.index(README_END):]
+            # the per-config table stays in results/checkpoint.md; the README quotes the rest
+            short = md[next(i for i, l in enumerate(md) if l.startswith('**At ')):]
+            sub = '\n'.join(['Full per-config table: [results/checkpoint.md](results/checkpoint.md).', ''] +
+                            ['#' + l if l.startswith('#') else l for l in short]) + '\n'
+            readme = head + README_BEGIN + '\n' + sub + rest[rest.index(README_END):]
             with open('README.md', 'w') as f:
                 f.write(readme)
     print(text)

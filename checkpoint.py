@@ -146,9 +146,10 @@ def _crc(path):
     return crc
 
 
-def _share(names):
+def _share(names, collective=True):
     # this rank's share of a list of files, and a way to merge every rank's findings
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    collective = collective and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
     return sorted(names)[rank::world], world
 
 
@@ -166,9 +167,10 @@ def _checksums(path):
     return {k: v for p in _merge(part, world) for k, v in p.items()}
 
 
-def damage(path):
-    """None if `path` is an intact checkpoint, else why not (one line). Collective under torchrun:
-    every file's size and crc32 is checked once, by one rank (1/N of the reading each)."""
+def damage(path, collective=True):
+    """None if `path` is an intact checkpoint, else why not (one line). Collective under torchrun
+    (unless collective=False): every file's size and crc32 is checked once, by one rank (1/N of the
+    reading each)."""
     try:
         with open(os.path.join(path, LOOP)) as f:
             files = json.load(f)['files']
@@ -176,7 +178,7 @@ def damage(path):
         return f'no {LOOP}'
     except (OSError, ValueError, KeyError) as e:
         return f'{LOOP} unreadable ({e})'
-    mine, world = _share(files)
+    mine, world = _share(files, collective)
     why = None
     for f in mine:
         p, (size, crc) = os.path.join(path, f), files[f]
@@ -191,7 +193,7 @@ def damage(path):
     return next((w for w in _merge(why, world) if w), None)
 
 
-def candidates(out_dir, log=print):
+def candidates(out_dir, log=print, collective=True):
     """Checkpoints of out_dir to resume from, newest first, the first one verified intact; says
     which ones are skipped and why. Collective under torchrun (see damage)."""
     found = sorted((d for d in os.listdir(out_dir) if _is_ckpt(d)), reverse=True) if os.path.isdir(out_dir) else []
@@ -203,7 +205,7 @@ def candidates(out_dir, log=print):
             log(f'warning: {latest} names {named}, which is gone')
     good = []
     for i, d in enumerate(found):  # verified newest first, up to the first intact one; the older
-        why = damage(os.path.join(out_dir, d))  # ones stay as fallbacks should its load fail
+        why = damage(os.path.join(out_dir, d), collective)  # ones stay as fallbacks should its load fail
         if why:
             log(f'warning: checkpoint {os.path.join(out_dir, d)} is damaged ({why}): skipped')
         else:
@@ -338,7 +340,7 @@ def resolve(path):
     """A checkpoint directory: the one given, or the newest intact one of a train.py out_dir."""
     if os.path.isfile(os.path.join(path, LOOP)):
         return path
-    return candidates(path, log=lambda m: print(m, file=sys.stderr))[0]
+    return candidates(path, log=lambda m: print(m, file=sys.stderr), collective=False)[0]  # this process alone
 
 
 def export(src, dest, dtype=torch.bfloat16):
