@@ -68,11 +68,13 @@ def load_transformer(path, device='cpu', meta=False):
         raise missing_weights(path, 'transformer', e) from e
 
 
-def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, weights=None):
-    """The trainable transformer: LoRA adapters if lora_rank > 0, trained weights loaded from a
-    safetensors file (resume), FSDP2-sharded per block and at the root when fsdp. Under FSDP only
-    rank 0 reads the checkpoint from disk; the other ranks build on the meta device and receive
-    their shards by broadcast, so no process ever holds more than one full copy in host memory."""
+def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base_dtype=None):
+    """The trainable transformer: LoRA adapters if lora_rank > 0, FSDP2-sharded per block and at
+    the root when fsdp. Under FSDP only rank 0 reads the base model from disk; the other ranks build
+    on the meta device and receive their shards by broadcast, so no process ever holds more than
+    one full copy in host memory. Trained weights are read into it afterwards (checkpoint.py).
+    base_dtype: of the frozen base weights of a LoRA run; default bf16 for LoRA on one GPU (8.3B:
+    17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32."""
     master = not fsdp or dist.get_rank() == 0
     model = load_transformer(path, meta=not master)
     if is_toy(path):  # the toy's ByT5 branch only ever sees masked zeros: its gradient is exactly 0
@@ -80,17 +82,16 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, weig
     if lora_rank > 0:  # freeze the base, train only the adapters (diffusers' peft integration)
         from peft import LoraConfig
         model.requires_grad_(False)
+        if base_dtype is None:
+            base_dtype = torch.bfloat16 if not fsdp and torch.device(device).type == 'cuda' else torch.float32
+        model.to(base_dtype)
         model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=LORA_TARGETS))
-    if weights is not None and master:
-        from safetensors.torch import load_file
-        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        if unexpected or trainable & set(missing):
-            raise SystemExit(f'{weights}: does not match the model (unexpected {unexpected[:3]}, '
-                             f'missing {sorted(trainable & set(missing))[:3]})')
+        for p in model.parameters():  # peft builds adapters in the base's dtype: they (and so their
+            if p.requires_grad:       # AdamW state and the anchor) stay fp32, master weights
+                p.data = p.data.float()
     if checkpointing:
         model.enable_gradient_checkpointing()  # recompute each block's activations in backward
-    if not fsdp:  # fp32 weights; on a GPU velocity() computes in bf16 under autocast
+    if not fsdp:  # fp32 trained weights; on a GPU velocity() computes in bf16 under autocast
         return model.to(device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     full = model.state_dict() if master else {}  # references, kept alive across the sharding
@@ -115,12 +116,22 @@ def shard(model, cuda, mesh=None):
 
 # ----------------------------------------------------------------------------- text
 
-def encode_prompts(path, prompts, device='cpu'):
+def encode_prompts(path, prompts, device='cpu', sink=None, chunk=256):
     """{prompt: (embeds (L, D), mask (L,), embeds_2 (L2, D2), mask_2 (L2,))} on the CPU, trimmed to
-    the valid tokens (at least one), with the pipeline's own encoders (a plugged-in world's for the toy)."""
+    the valid tokens (at least one), with the pipeline's own encoders (a plugged-in world's for the toy).
+    With sink, each chunk of prompts is handed to sink(dict) as soon as it is encoded and dropped
+    (prompt_cache.py writes it to disk): host memory holds one chunk, not the prompt set."""
     prompts = sorted(set(prompts))
+    cache = {}
+    sink = sink or cache.update
     if is_toy(path):
-        out = plugged_world(path).encode_prompts(prompts)
+        toy_world = plugged_world(path)
+
+        def encode(ps):
+            try:
+                return toy_world.encode_prompts(ps)
+            except ValueError as e:  # a word the toy's text table has no row for: one line, no traceback
+                raise SystemExit(str(e))
     else:
         from diffusers import HunyuanVideo15Pipeline
         try:  # no transformer; freed again before training starts (diffusers 0.42 cannot skip the
@@ -129,21 +140,27 @@ def encode_prompts(path, prompts, device='cpu'):
                                                           torch_dtype=torch.bfloat16).to(device)
         except (OSError, ValueError) as e:
             raise missing_weights(path, 'text encoders', e) from e
-        with torch.no_grad():
-            parts = [pipe.encode_prompt(prompts[i:i + 8], device=device, batch_size=len(prompts[i:i + 8]))
-                     for i in range(0, len(prompts), 8)]
-        out = [torch.cat(p) for p in zip(*parts)]
-        del pipe, parts
+
+        @torch.no_grad()
+        def encode(ps):
+            parts = [pipe.encode_prompt(ps[i:i + 8], device=device, batch_size=len(ps[i:i + 8]))
+                     for i in range(0, len(ps), 8)]
+            return [torch.cat(p) for p in zip(*parts)]
+    for c in range(0, len(prompts), chunk):
+        ps = prompts[c:c + chunk]
+        e1, m1, e2, m2 = [t.detach().cpu() for t in encode(ps)]
+        out = {}
+        for i, p in enumerate(ps):
+            # count_nonzero, not sum: a bf16 sum of ones rounds above 256 (257 -> 256)
+            n1, n2 = max(1, int(m1[i].count_nonzero())), max(1, int(m2[i].count_nonzero()))
+            # valid tokens come first in both masks (right padding); clone: not a view of the batch
+            out[p] = tuple(t.clone() for t in (e1[i, :n1], m1[i, :n1], e2[i, :n2], m2[i, :n2]))
+        sink(out)
+    if not is_toy(path):
+        del pipe, encode
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    e1, m1, e2, m2 = [t.detach().cpu() for t in out]
-    cache = {}
-    for i, p in enumerate(prompts):
-        # count_nonzero, not sum: a bf16 sum of ones rounds above 256 (257 -> 256)
-        n1, n2 = max(1, int(m1[i].count_nonzero())), max(1, int(m2[i].count_nonzero()))
-        # valid tokens come first in both masks (right padding)
-        cache[p] = (e1[i, :n1], m1[i, :n1], e2[i, :n2], m2[i, :n2])
     return cache
 
 

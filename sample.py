@@ -16,11 +16,11 @@ Then a table of every metric, mean over the prompts, base vs aligned (also out_d
 toy's exact reward and manifold distance, or VideoAlign's VQ/MQ/TA, plus CLIPScore and PickScore with
 --eval_metrics=clipscore,pickscore (metrics.py). Missing weights skip the table with the download command.
 """
-import json
 import os
 
 import torch
 
+import checkpoint as checkpoint_lib
 import sde
 from configurator import configure
 from model import batch_text, encode_prompts, generators, is_toy, latent_shape, load_decoder, load_policy, noise, \
@@ -62,14 +62,6 @@ for k, v in defaults.items():
         globals()[k] = config[k] = v
 
 
-def newest(path):
-    """A ckpt_* directory: the one given, or the newest named by <out_dir>/latest."""
-    if os.path.isfile(os.path.join(path, 'latest')):
-        with open(os.path.join(path, 'latest')) as f:
-            return os.path.join(path, f.read().strip())
-    return path
-
-
 prompt_list = [prompts]
 if os.path.isfile(prompts):
     with open(prompts) as f:
@@ -79,7 +71,7 @@ if not prompt_list or not prompt_list[0]:
 os.makedirs(out_dir, exist_ok=True)
 models = [('base', None)]
 if checkpoint and os.path.isdir(checkpoint):
-    models.append(('aligned', newest(checkpoint)))
+    models.append(('aligned', checkpoint_lib.resolve(checkpoint)))
 elif checkpoint and checkpoint != 'out-toy':
     raise SystemExit(f'checkpoint {checkpoint!r} not found')
 else:
@@ -93,12 +85,11 @@ shape = latent_shape(model, num_frames, height, width)
 sigmas = sde.sigmas(num_steps, shift)
 rows = []
 for name, ckpt in models:
-    lora_rank = 0
-    if ckpt is not None and os.path.isfile(os.path.join(ckpt, '..', 'config.json')):
-        with open(os.path.join(ckpt, '..', 'config.json')) as f:
-            lora_rank = json.load(f).get('lora_rank', 0)
-    policy = load_policy(model, device, lora_rank=lora_rank,
-                         weights=ckpt and os.path.join(ckpt, 'model.safetensors')).eval()
+    lora_rank = checkpoint_lib.read_loop(ckpt)['config'].get('lora_rank', 0) if ckpt else 0
+    policy = load_policy(model, device, lora_rank=lora_rank)
+    if ckpt:  # the trained weights of a sharded (DCP) checkpoint, read into one plain model
+        checkpoint_lib.load_weights(ckpt, policy)
+    policy.eval()
     gens = generators([seed * 1000 + i for i in range(len(prompt_list))])
     x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, sampler, eta, gens)
     frames = decode(x)                                         # (B, F, 3, H, W) in [0, 1]

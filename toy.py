@@ -187,8 +187,12 @@ def tokenize(prompts):
     mask = torch.zeros(len(prompts), TEXT_LEN)
     for i, p in enumerate(prompts):
         words = ['<bos>'] + p.split()
-        if len(words) > TEXT_LEN or any(w not in VOCAB for w in words):
-            raise ValueError(f'not a toy prompt: {p!r}')
+        unknown = [w for w in words if w not in VOCAB]
+        if unknown:
+            raise ValueError(f'toy prompt {p!r}: {", ".join(map(repr, unknown))} not in the toy vocabulary '
+                             f'({" ".join(VOCAB[1:])})')
+        if len(words) > TEXT_LEN:
+            raise ValueError(f'toy prompt {p!r} has {len(words) - 1} words, at most {TEXT_LEN - 1} fit')
         ids[i, :len(words)] = torch.tensor([VOCAB.index(w) for w in words])
         mask[i, :len(words)] = 1
     return ids, mask

@@ -11,6 +11,12 @@ SDE, a temporal gradient equalizer) and a dual trust region (moving anchor + pre
 Settings are the constants below (the paper's released defaults, shared/SPEC.md section 4);
 config files and --key=value override them (configurator.py). The loss is loss.py, SPEC section 4.
 
+    python train.py config/toy.py --init_from=resume         # from out_dir's newest intact checkpoint
+    kill -TERM <pid>                # finish the iteration, checkpoint, exit 0 (torchrun forwards it)
+
+Checkpoints are sharded (checkpoint.py: each rank writes and reads its own shards, any world size
+resumes any checkpoint); the final one is exported to out_dir/export as a diffusers transformer.
+
 Where this code knowingly differs from the paper or its released code:
 - lambda_KL is updated once per optimizer step on the all-rank mean KL (the paper's count);
   kl_update='backward' is the released cadence (after every backward, on the rank's local KL).
@@ -18,6 +24,8 @@ Where this code knowingly differs from the paper or its released code:
 - a NaN reward drops its clip from its group; the released code scores it 0 and keeps it.
 - config/released.py is the released run as far as these settings express it (with sources).
 - CPS log-probabilities are the true Gaussian density (the reference drops its constants).
+- SIGTERM is honoured at the end of an iteration (the rollout batch is the unit a checkpoint can
+  resume from): the grace period a scheduler gives must cover one iteration plus a save.
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
   updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
@@ -29,7 +37,6 @@ import hashlib
 import json
 import os
 import resource
-import shutil
 import time
 
 import torch
@@ -37,6 +44,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+import checkpoint
+import prompt_cache
 import sde
 import toy  # plugs the toy world (its text encoder, decoder, latent shape) into model.py
 from configurator import configure
@@ -44,7 +53,7 @@ from credit import credit_map
 from equalizer import MEDIANS, scales
 from loss import denominator, grpo_loss
 from optimizer import build as build_optimizers
-from model import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
+from model import batch_text, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4, velocity
 from reward import combine, group_advantages, sample_indices, score_and_grad
 from trust_region import Anchor, KLController
@@ -56,8 +65,9 @@ init_from = 'scratch'           # 'scratch' or 'resume' (the newest checkpoint i
 eval_every = 25                 # iterations between held-out evaluations (also at start and end)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
 eval_videos = 4                 # mp4 files written per evaluation
-save_every = 50                 # iterations between checkpoints (and one at the end)
+save_every = 50                 # iterations between checkpoints (and one at the end, and on SIGTERM)
 keep_checkpoints = 2            # newest checkpoints kept in out_dir
+export_dtype = 'bfloat16'       # the final checkpoint is exported to out_dir/export (diffusers); '' for none
 diag_every = 1                  # iterations between per-step gradient-norm diagnostics (0: never)
 wandb_log = False               # also log to wandb (if it is installed)
 wandb_project = 'sage-grpo'
@@ -149,6 +159,10 @@ if n_clips % world:
     raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world size {world}')
 n_local = n_clips // world  # clips of this rank: global indices rank * n_local + j
 
+# preemption: the first SIGTERM asks for a checkpoint at the end of the current iteration, a second
+# SIGTERM or a SIGINT exits at once (checkpoint.Preemption)
+preemption = checkpoint.Preemption(rank)
+
 
 def mix(*parts):
     """A 63-bit seed from any tuple: rollouts are a function of (seed, iteration, clip index)."""
@@ -177,7 +191,7 @@ def read_prompts(path):
     """Prompts of a text file (one per line) or a CSV with a 'prompt' column and an optional 'seed'
     column (the released format); returns the prompts and {prompt: seed} of those that have one."""
     try:
-        with open(path, newline='') as f:
+        with open(path, newline='', encoding='utf-8') as f:
             if path.endswith('.csv'):
                 rows = list(csv.DictReader(f))
                 if rows and 'prompt' not in rows[0]:
@@ -188,6 +202,10 @@ def read_prompts(path):
                 lines, seeds = [l.strip() for l in f if l.strip()], {}
     except FileNotFoundError:
         raise SystemExit(f'prompt file {path!r} not found (one prompt per line, or a CSV with a prompt column)')
+    except UnicodeDecodeError as e:
+        line = open(path, 'rb').read()[:e.start].count(b'\n') + 1
+        raise SystemExit(f'prompt file {path!r} is not UTF-8 text (line {line}: byte {e.object[e.start]:#x}); '
+                         're-save it as UTF-8')
     if not lines:
         raise SystemExit(f'prompt file {path!r} is empty (one prompt per line, or a CSV with a prompt column)')
     return lines, seeds
@@ -205,27 +223,27 @@ if master:
     print(json.dumps(config, indent=1))
 
 # ----------------------------------------------------------------------------- models
-# prompt embeddings: computed once by rank 0 with the pipeline's own encoders, cached in out_dir,
-# encoders freed before the policy is loaded
-cache_file = os.path.join(out_dir, 'prompt_cache.pt')
-wanted = set(train_list) | set(eval_list) | {negative_prompt}
-cached = torch.load(cache_file) if master and os.path.exists(cache_file) else {}
-if master and not (cached.get('model') == model and wanted <= set(cached['text'])):
-    torch.save(dict(model=model, text=encode_prompts(model, sorted(wanted), device)), cache_file + '.tmp')
-    os.replace(cache_file + '.tmp', cache_file)  # atomic: a crash never leaves half a cache
+# prompt embeddings: computed once by rank 0 with the pipeline's own encoders, written in chunks to
+# out_dir/prompt_cache (prompt_cache.py), encoders freed before the policy is loaded; every rank
+# memory-maps the cache and reads only the prompts it uses
+cache_dir = os.path.join(out_dir, 'prompt_cache')
+error = None
+if master:
+    try:
+        prompt_cache.build(cache_dir, model, set(train_list) | set(eval_list) | {negative_prompt}, device)
+    except SystemExit as e:  # e.g. a word outside the toy's vocabulary: every rank stops with it
+        error = str(e)
 if ddp:
-    dist.barrier()
-text_cache = torch.load(cache_file)['text']
+    box = [error]
+    dist.broadcast_object_list(box)  # also the barrier: the cache is complete once this returns
+    error = box[0]
+if error:
+    raise SystemExit(error)
+text_cache = prompt_cache.PromptCache(cache_dir)
 
-ckpt = None
-if init_from == 'resume':
-    latest = os.path.join(out_dir, 'latest')
-    if not os.path.exists(latest):
-        raise SystemExit(f'init_from=resume but {out_dir!r} has no checkpoint')
-    with open(latest) as f:
-        ckpt = os.path.join(out_dir, f.read().strip())
-policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
-                     weights=ckpt and os.path.join(ckpt, 'model.safetensors'))
+# resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
+ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing)
 params = [p for p in policy.parameters() if p.requires_grad]
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW] or [AdamW]
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
@@ -251,18 +269,20 @@ use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('
 w_pos, w_vel = beta_pos * use_pos, beta_vel * use_vel  # 'moving' is the position term alone
 
 iter_num, opt_steps = 0, 0
-if ckpt is not None:  # optimizer, anchor, controller, counters; the weights were loaded above
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    state = torch.load(os.path.join(ckpt, 'state.pt'), weights_only=False)
-    # strict=False: a weight that never got a gradient (the last block's text-stream output, whose
-    # result the transformer discards) has no AdamW state, in the saved run as in this one
-    set_optimizer_state_dict(policy, optimizers, optim_state_dict=state['optimizer'],
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-    anchor.load_state_dict(state['anchor'])
-    controller.load_state_dict(state['controller'])
-    iter_num, opt_steps = state['iter_num'], state['opt_steps']
+for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into the sharded policy
+    try:
+        loop = checkpoint.load(ckpt, policy, optimizers, anchor)
+    except Exception as e:  # a damaged shard: the next intact checkpoint overwrites all of it
+        if i + 1 == len(ckpts):
+            raise SystemExit(f'cannot resume from {ckpt}: {type(e).__name__}: {str(e)[:300]}')
+        if master:
+            print(f'warning: checkpoint {ckpt} is damaged ({type(e).__name__}): falling back to {ckpts[i + 1]}')
+        continue
+    controller.load_state_dict(loop['controller'])
+    iter_num, opt_steps = loop['iter_num'], loop['opt_steps']
     if master:
-        print(f'resumed from {ckpt} at iteration {iter_num}')
+        print(f'resumed from {ckpt} at iteration {iter_num}' + (' (the newest intact checkpoint)' if i else ''))
+    break
 
 
 def text_for(prompts):
@@ -301,34 +321,11 @@ def evaluate():
 
 
 def save_checkpoint():
-    """Trainable weights as safetensors plus a state file, in a new directory renamed into place;
-    'latest' then points at it (atomic rename): a crash never leaves a half-written checkpoint."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
-        get_optimizer_state_dict
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered shard by shard to CPU
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    weights = {k: v.contiguous() for k, v in get_model_state_dict(policy, options=opts).items() if k in trainable}
-    optim = get_optimizer_state_dict(policy, optimizers, options=opts)
-    # the anchor's shards gathered one tensor at a time (a collective: every rank takes part)
-    anchor_state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in anchor.state_dict().items()}
-    if not master:
-        return
-    name = f'ckpt_{iter_num:06d}'
-    tmp, final = os.path.join(out_dir, name + '.tmp'), os.path.join(out_dir, name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(weights, os.path.join(tmp, 'model.safetensors'))
-    torch.save(dict(optimizer=optim, anchor=anchor_state, controller=controller.state_dict(),
-                    iter_num=iter_num, opt_steps=opt_steps, config=config), os.path.join(tmp, 'state.pt'))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
-        f.write(name)
-    os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
-    old = sorted(d for d in os.listdir(out_dir) if d.startswith('ckpt_') and not d.endswith('.tmp'))
-    for d in old[:-keep_checkpoints]:
-        shutil.rmtree(os.path.join(out_dir, d))
+    """Collective: each rank writes its shards (checkpoint.py), rank 0 publishes atomically."""
+    checkpoint.save(os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}'), policy, optimizers,
+                    anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world,
+                                              controller=controller.state_dict(), config=config),
+                    keep=keep_checkpoints)
 
 
 def step_loss(b, t, clips, denom=1.0):
@@ -368,6 +365,7 @@ def grad_norm_of(loss):
 if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(config, f, indent=1)
+    checkpoint.forget_after(out_dir, iter_num)  # a crash leaves a clean log: lost iterations run again
 if wandb_log and master:
     try:
         import wandb
@@ -518,8 +516,17 @@ while iter_num < max_iters:
                 f.write(json.dumps({'iter': iter_num, **{f'eval_{k}': v for k, v in ev.items()}}) + '\n')
         if last and first_eval is not None and master:
             print(f"eval composite before {first_eval['composite']:.4f} -> after {ev['composite']:.4f}")
-    if (save_every and iter_num % save_every == 0) or last:
+    stop = preemption.requested(device)  # every rank, once per iteration: a checkpoint resumes from here
+    if (save_every and iter_num % save_every == 0) or last or stop:
         save_checkpoint()
+    if stop:
+        if master:
+            print(f'preempted: checkpoint of iteration {iter_num} written; resume with --init_from=resume')
+        break
+
+if master and export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format
+    checkpoint.export(out_dir, os.path.join(out_dir, 'export'), getattr(torch, export_dtype))
+    print(f'exported to {out_dir}/export: diffusers HunyuanVideo15Transformer3DModel.from_pretrained() loads it')
 
 if ddp:
     dist.barrier()  # no rank tears gloo down while another still talks to it

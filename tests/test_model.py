@@ -190,3 +190,15 @@ def test_save_mp4_reads_back(tmp_path, H, W):
     assert video.shape == (9, H + H % 2, W + W % 2, 3)
     flat = video[:, 2:H // 2 - 2, 2:W - 2].astype(np.float32) / 255
     assert abs(flat.mean() - 0.9) < 0.03
+
+
+def test_lora_base_in_bf16_adapters_in_fp32():
+    # LoRA on one GPU: the frozen base in bf16 (the default there), adapters, AdamW state, anchor fp32
+    from trust_region import Anchor
+    net = model.load_policy('assets/toy', 'cpu', lora_rank=4, base_dtype=torch.bfloat16)
+    frozen = [p for p in net.parameters() if not p.requires_grad]
+    trained = [p for p in net.parameters() if p.requires_grad]
+    assert frozen and trained and all(p.dtype == torch.bfloat16 for p in frozen)
+    assert all(p.dtype == torch.float32 for p in trained)
+    assert all(w.dtype == torch.float32 for w in Anchor(net).state_dict().values())
+    assert model.load_policy('assets/toy', 'cpu', lora_rank=4).dtype == torch.float32  # CPU default: fp32

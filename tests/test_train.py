@@ -2,11 +2,13 @@
 train.py and sample.py end to end, as a user runs them (subprocesses):
 - two toy iterations in one process and under torchrun --nproc_per_node=2 (FSDP2, gloo): finite
   losses, rewards logged, a checkpoint written;
-- resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process;
+- resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process
+  (checkpoints are sharded DCP directories, read here with checkpoint.read_tensors);
 - the real HunyuanVideo 1.5 path with tiny random diffusers parts and the tiny VideoAlign of the
   reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks, with CLIPScore
-  and PickScore (tiny random CLIP models) logged at the held-out evaluations;
-- bad settings fail with a clear message and touch nothing already written; a NaN reward drops its
+  and PickScore (tiny random CLIP models) logged at the held-out evaluations, and the diffusers export;
+- bad settings and bad prompt files (not UTF-8, a word outside the toy's vocabulary) fail with a
+  clear one-line message and touch nothing already written; a NaN reward drops its
   clip, and an all-NaN iteration stops the run before the update;
 - sample.py writes mp4 files that read back with the right shape, the contact sheet, and the metrics
   table (the toy's reward, CLIPScore and PickScore of tiny random CLIP models; skipped if weights are missing).
@@ -20,7 +22,6 @@ import sys
 import imageio.v3 as iio
 import pytest
 import torch
-from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a small toy run: 2 prompts x G=2, 4 sampler steps, no evaluation in between
@@ -44,8 +45,10 @@ def metrics(out):
 
 
 def weights(out):
+    """The trained weights of out's newest checkpoint (sharded DCP), read in this process."""
+    import checkpoint
     with open(os.path.join(out, 'latest')) as f:
-        return load_file(os.path.join(out, f.read().strip(), 'model.safetensors'))
+        return checkpoint.read_tensors(os.path.join(out, f.read().strip()))
 
 
 def check_run(out, iters):
@@ -92,8 +95,14 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
     empty = tmp_path / 'empty.txt'
     empty.write_text('\n')
+    latin1 = tmp_path / 'latin1.txt'
+    latin1.write_bytes('a red circle moving left\na caf\xe9 moving up\n'.encode('latin-1'))
+    unknown = tmp_path / 'unknown.txt'
+    unknown.write_text('a purple circle moving left\n')
     cases = [(['--group_size=1'], 'group_size must be at least 2'),
              ([f'--train_prompts={empty}'], 'is empty'),
+             ([f'--train_prompts={latin1}'], 'is not UTF-8 text (line 2: byte 0xe9)'),
+             ([f'--eval_prompts={unknown}'], "'purple' not in the toy vocabulary (a moving red green blue yellow"),
              (['--train_prompts=nope.txt'], 'not found'),
              (['--no_such_key=1'], "unknown setting 'no_such_key'"),
              (['--eta=fast'], 'eta must be float'),
@@ -103,6 +112,7 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
     for args, message in cases:
         p = run(SMALL + [f'--out_dir={out}'] + args, check=False)
         assert p.returncode != 0 and message in p.stdout + p.stderr, (args, p.stderr[-2000:])
+        assert 'Traceback' not in p.stderr, (args, p.stderr[-2000:])  # one clear line
     p = run(SMALL + ['--prompts_per_iter=3', '--group_size=3', f'--out_dir={tmp_path / "odd"}'], torchrun=True, check=False)
     assert p.returncode != 0 and 'divisible by the world size' in p.stdout + p.stderr
     after = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
@@ -118,15 +128,24 @@ def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
     clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'out')
     p = run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
-           '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}',
-           '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
-           '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
-           '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt'], torchrun=True)
+             '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}',
+             '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
+             '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
+             '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt', '--export_dtype=float32'], torchrun=True)
     check_run(out, 1)
-    evals = [r for r in metrics(out) if 'eval_composite' in r]  # the last evaluation's row
-    assert evals and all(math.isfinite(evals[-1][f'eval_{k}']) for k in ('clipscore', 'pickscore')), evals
-    first = next(l for l in p.stdout.splitlines() if l.startswith('eval iter 0:'))  # printed, not logged
+    evals = [r for r in metrics(out) if 'eval_composite' in r]  # iterations 0 and 1
+    assert len(evals) == 2 and all(math.isfinite(e[f'eval_{k}']) for e in evals for k in ('clipscore', 'pickscore')), evals
+    first = next(l for l in p.stdout.splitlines() if l.startswith('eval iter 0:'))
     assert ' clipscore ' in first and ' pickscore ' in first, first
+    # the export is a diffusers transformer: from_pretrained loads it, it is the trained policy, and
+    # the diffusers pipeline runs with it as its transformer
+    from diffusers import HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel as T
+    prompts = ['a cat walks on the grass']
+    exported = T.from_pretrained(os.path.join(out, 'export'))
+    v = export_matches_policy(exported, out, root, prompts, (4, 3, 2, 2))
+    pipe = HunyuanVideo15Pipeline.from_pretrained(root, transformer=exported)
+    x = pipe(prompt=prompts, num_frames=9, height=32, width=32, num_inference_steps=2, output_type='latent').frames
+    assert x.shape == (1,) + v.shape[1:] and torch.isfinite(x).all()
 
 
 def test_sample_writes_videos_and_contact_sheet(tmp_path):
@@ -162,13 +181,41 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     assert 'no metrics table' in p.stdout and 'hf download yuvalkirstain/PickScore_v1 --local-dir /nonexistent/pick' in p.stdout
 
 
-def test_lora_trains_only_adapters(tmp_path):
+def test_lora_trains_only_adapters_and_exports(tmp_path):
     out = str(tmp_path / 'lora')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4'])
+    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4', '--export_dtype=float32'])
     check_run(out, 1)
     w = weights(out)  # the checkpoint holds the adapters and nothing else
     assert w and all('lora' in k for k in w), list(w)[:5]
     assert any(v.abs().sum() > 0 for k, v in w.items() if 'lora_B' in k)  # B started at 0 and moved
+    # the export: LoRA merged into a plain diffusers transformer, and the adapter alone, which
+    # diffusers' load_lora_adapter puts on the base model: both are the trained policy
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    v = export_matches_policy(T.from_pretrained(os.path.join(out, 'export')), out, 'assets/toy', lora_rank=4)
+    base = T.from_pretrained('assets/toy', subfolder='transformer')
+    base.load_lora_adapter(os.path.join(out, 'export', 'lora'), prefix=None, use_safetensors=True)
+    torch.testing.assert_close(velocity_of(base, 'assets/toy'), v, atol=1e-5, rtol=1e-5)
+
+
+def velocity_of(net, base, prompts=('a red circle moving left',), shape=None):
+    import model as M
+    x = torch.randn(len(prompts), *(shape or M.latent_shape(base, 0, 0, 0)), generator=torch.Generator().manual_seed(0))
+    text = M.batch_text(M.encode_prompts(base, list(prompts)), list(prompts), 'cpu')
+    with torch.no_grad():
+        return M.velocity(net.float().eval(), x, torch.full((len(prompts),), 0.7), text)
+
+
+def export_matches_policy(exported, out, base, prompts=('a red circle moving left',), shape=None, lora_rank=0, tol=1e-5):
+    """The exported transformer's velocity is the policy's of out's newest checkpoint (fp32 export)."""
+    import checkpoint
+    import model as M
+    with open(os.path.join(out, 'latest')) as f:
+        ckpt = os.path.join(out, f.read().strip())
+    policy = checkpoint.load_weights(ckpt, M.load_policy(base, 'cpu', lora_rank=lora_rank))
+    v = velocity_of(policy, base, prompts, shape)
+    torch.testing.assert_close(velocity_of(exported, base, prompts, shape), v, atol=tol, rtol=tol)
+    assert not torch.equal(velocity_of(M.load_transformer(base), base, prompts, shape), v)  # it trained
+    return v
 
 
 # train.py with the toy reward wrapped: the second video of every reward call is unscored (NaN), or

@@ -1,0 +1,372 @@
+"""
+Training state that scales with the model: sharded checkpoints with torch.distributed.checkpoint
+(DCP), and the export of a checkpoint as a diffusers transformer directory.
+
+    <out_dir>/ckpt_000050/            one checkpoint = one DCP directory
+        __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
+        .metadata                     DCP's index of the shards (which rank wrote which slice)
+        loop.json                     iteration, optimizer steps, lambda_KL controller, optimizer
+                                      hyperparameters, config, and every file's size and crc32
+    <out_dir>/latest                  the name of the newest published checkpoint
+
+    python checkpoint.py export out-toy out-toy/export              # the newest checkpoint of a run
+    python checkpoint.py export out-toy/ckpt_000020 DEST --dtype=float32
+
+A save is a collective: every rank writes only its own shards (DCP stages one tensor at a time),
+then rank 0 writes loop.json, renames the temporary directory into place and updates `latest`
+(atomic rename): a crash at any moment leaves the last published checkpoint intact. A load builds
+and shards the policy first and reads into it, each rank only its slices, so a checkpoint saved on
+N ranks resumes on M (DCP reshards). Seeds need no state: every random draw of train.py is a
+function of (seed, iteration, clip), so the iteration number is the whole RNG state.
+
+Where this differs from a plain dcp.save of everything, and why:
+- only the trainable weights are saved (the frozen base of a LoRA run, and the toy's dead ByT5
+  projection, come from the base model): an 8.3B LoRA checkpoint is megabytes.
+- non-tensor state (optimizer hyperparameters, the controller) goes to loop.json, not into DCP,
+  which would pickle it and unpickle it with weights_only=False; DCP's own .metadata index is read
+  with an unpickler that admits only DCP's metadata classes.
+- a weight that never got a gradient has no AdamW state in the saved run, but the load template
+  has one (the state is initialised with a zero-gradient, zero-lr step, one parameter at a time);
+  it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
+  exact.
+
+Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
+"""
+import json
+import os
+import pickle
+import shutil
+import signal
+import sys
+import zlib
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
+    get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+# DCP works without a process group too (one process); it warns that it assumes so
+warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavailable or uninitialized')
+
+LOOP = 'loop.json'              # the small state beside the shards
+PREFIX = 'ckpt_'                # checkpoint directories are PREFIX + iteration, zero-padded
+EXPORT_SHARD = '5GB'            # max_shard_size of the exported safetensors files
+
+
+def _master():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _reshard(model):
+    # FSDP2 keeps the root's weights gathered after a forward, and named_parameters() then returns
+    # those unsharded tensors, not the sharded ones the optimizer holds: shard them back first
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _trainable_weights(model):
+    # name -> tensor of the weights the optimizer moves (sharded DTensors under FSDP2, sharing
+    # storage with the parameters): dcp.save writes them and dcp.load reads into them in place
+    _reshard(model)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in get_model_state_dict(model).items() if k in names}
+
+
+def _init_state(optimizers):
+    # the optimizer state to load into, one parameter at a time: a zero-gradient, zero-lr step of
+    # a one-parameter copy of its optimizer (any torch.optim class: AdamW, Muon, ...). DCP's own
+    # initialisation steps all parameters at once, a whole model's gradients in flight.
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group['params']:
+                if p in opt.state or not p.requires_grad:
+                    continue
+                one = type(opt)([{**group, 'params': [p], 'lr': 0.0}])
+                p.grad = torch.zeros_like(p)
+                one.step()  # lr 0: the weight is unchanged, bitwise
+                p.grad = None
+                opt.state[p] = one.state[p]
+
+
+def _tensor_state(model, optimizers):
+    # the optimizer's tensors, keyed by parameter name (not id): they reshard across world sizes.
+    # optimizers: one or a list (e.g. Muon for matrices + AdamW for the rest): one combined dict
+    _reshard(model)
+    osd = get_optimizer_state_dict(model, optimizers)
+    return osd['state'], osd['param_groups']
+
+
+def save(path, model, optimizers, anchor_state, loop, keep=2):
+    """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it.
+    anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state."""
+    out_dir, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(out_dir, name + '.tmp')
+    if _master():
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before publishing
+        os.makedirs(tmp)
+    _barrier()
+    optim_state, groups = _tensor_state(model, optimizers)
+    dcp.save({'model': _trainable_weights(model), 'optim': optim_state, 'anchor': dict(anchor_state)},
+             checkpoint_id=tmp)  # every rank writes __<rank>_0.distcp; rank 0 also .metadata
+    _barrier()
+    files = _checksums(tmp)  # each rank hashes a 1/N share of the files: [size, crc32] by name
+    if _master():
+        with open(os.path.join(tmp, LOOP), 'w') as f:
+            json.dump(dict(loop, param_groups=groups, files=files), f, indent=1)
+        shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same iteration
+        os.replace(tmp, path)
+        with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
+            f.write(name)
+        os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
+        for d in sorted(d for d in os.listdir(out_dir) if _is_ckpt(d))[:-keep]:
+            shutil.rmtree(os.path.join(out_dir, d))
+    _barrier()  # every rank returns once the checkpoint is published
+
+
+def _is_ckpt(d):
+    return d.startswith(PREFIX) and not d.endswith('.tmp')
+
+
+def _crc(path):
+    crc = 0
+    with open(path, 'rb') as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _share(names, collective=True):
+    # this rank's share of a list of files, and a way to merge every rank's findings
+    collective = collective and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
+    return sorted(names)[rank::world], world
+
+
+def _merge(part, world):
+    if world == 1:
+        return [part]
+    parts = [None] * world
+    dist.all_gather_object(parts, part)
+    return parts
+
+
+def _checksums(path):
+    mine, world = _share(os.listdir(path))
+    part = {f: [os.path.getsize(os.path.join(path, f)), _crc(os.path.join(path, f))] for f in mine}
+    return {k: v for p in _merge(part, world) for k, v in p.items()}
+
+
+def damage(path, collective=True):
+    """None if `path` is an intact checkpoint, else why not (one line). Collective under torchrun
+    (unless collective=False): every file's size and crc32 is checked once, by one rank (1/N of the
+    reading each)."""
+    try:
+        with open(os.path.join(path, LOOP)) as f:
+            files = json.load(f)['files']
+    except FileNotFoundError:
+        return f'no {LOOP}'
+    except (OSError, ValueError, KeyError) as e:
+        return f'{LOOP} unreadable ({e})'
+    mine, world = _share(files, collective)
+    why = None
+    for f in mine:
+        p, (size, crc) = os.path.join(path, f), files[f]
+        if not os.path.exists(p):
+            why = f'{f} is missing'
+        elif os.path.getsize(p) != size:
+            why = f'{f} is {os.path.getsize(p)} bytes, {size} were written'
+        elif _crc(p) != crc:
+            why = f'{f} has changed since it was written (crc32)'
+        if why:
+            break
+    return next((w for w in _merge(why, world) if w), None)
+
+
+def candidates(out_dir, log=print, collective=True):
+    """Checkpoints of out_dir to resume from, newest first, the first one verified intact; says
+    which ones are skipped and why. Collective under torchrun (see damage)."""
+    found = sorted((d for d in os.listdir(out_dir) if _is_ckpt(d)), reverse=True) if os.path.isdir(out_dir) else []
+    latest = os.path.join(out_dir, 'latest')
+    if os.path.exists(latest):
+        with open(latest) as f:
+            named = f.read().strip()
+        if named not in found:
+            log(f'warning: {latest} names {named}, which is gone')
+    good = []
+    for i, d in enumerate(found):  # verified newest first, up to the first intact one; the older
+        why = damage(os.path.join(out_dir, d), collective)  # ones stay as fallbacks should its load fail
+        if why:
+            log(f'warning: checkpoint {os.path.join(out_dir, d)} is damaged ({why}): skipped')
+        else:
+            good = [os.path.join(out_dir, d) for d in found[i:]]
+            break
+    if not good:
+        raise SystemExit(f'init_from=resume but {out_dir!r} has no intact checkpoint'
+                         + (f' (found {", ".join(found)})' if found else ''))
+    return good
+
+
+def read_loop(path):
+    with open(os.path.join(path, LOOP)) as f:
+        return json.load(f)
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    # DCP's .metadata is a pickle of its own dataclasses: admit those and the few torch and
+    # builtin types they hold, nothing else (no arbitrary code from a file on disk)
+    def find_class(self, module, name):
+        if module.startswith('torch.distributed.checkpoint') or (module, name) in _SAFE or \
+                (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f'{module}.{name} is not allowed in a DCP .metadata file')
+
+
+_SAFE = {('torch', 'Size'), ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset'),
+         ('torch.serialization', '_get_layout'), ('pathlib', 'PosixPath')}
+
+
+class _Reader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, '.metadata'), 'rb') as f:
+            md = _SafeUnpickler(f).load()
+        if getattr(md, 'storage_meta', None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _Planner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):  # nothing non-tensor is saved (DCP would unpickle it)
+        raise ValueError(f'unexpected non-tensor entry {read_item.dest_index.fqn} in a checkpoint')
+
+
+def _load(path, state, no_dist=False):
+    reader = _Reader(path)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    need = {f'{top}.{k}' for top in ('model', 'anchor') for k in state.get(top, {})}
+    if need - saved:
+        raise ValueError(f'does not match the model: {sorted(need - saved)[:3]} not in it')
+    # optimizer: a weight that never got a gradient has no state in the file (see the docstring)
+    dcp.load(state, storage_reader=reader, planner=_Planner(allow_partial_load=True), no_dist=no_dist)
+
+
+def load(path, model, optimizers, anchor):
+    """Collective: read checkpoint `path` into the (already built and sharded) model, its
+    optimizer(s) and the anchor; returns the loop state (loop.json)."""
+    loop = read_loop(path)
+    weights = _trainable_weights(model)
+    _init_state(optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
+    optim_state, _ = _tensor_state(model, optimizers)  # the tensors to load into
+    _load(path, {'model': weights, 'optim': optim_state, 'anchor': anchor.state_dict()})
+    set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizers, {'state': optim_state, 'param_groups': loop['param_groups']},
+                             options=StateDictOptions(strict=False))
+    return loop
+
+
+def load_weights(path, model):
+    """The trained weights of checkpoint `path` into a plain (unsharded) model, in one process."""
+    weights = _trainable_weights(model)
+    _load(path, {'model': weights}, no_dist=True)  # this process alone, even under torchrun
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+def read_tensors(path, part='model'):
+    """{name: tensor} of one part ('model', 'optim', 'anchor') of a checkpoint, in one process,
+    without a model to load into (built from DCP's index): for tests and inspection."""
+    md = _Reader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if k.startswith(part + '.')}
+    dcp.load(state, storage_reader=_Reader(path), planner=_Planner(), no_dist=True)
+    return {k[len(part) + 1:]: v for k, v in state.items()}
+
+
+def forget_after(out_dir, iter_num):
+    """On (re)start at iteration iter_num: drop the metrics.jsonl lines and eval videos of later
+    iterations (they will run again), so that a crash leaves each iteration logged once."""
+    log = os.path.join(out_dir, 'metrics.jsonl')
+    if os.path.exists(log):
+        with open(log) as f:
+            lines = f.readlines()
+        kept = [l for l in lines if l.strip() and json.loads(l)['iter'] <= iter_num]
+        if len(kept) < len(lines):
+            with open(log + '.tmp', 'w') as f:
+                f.writelines(kept)
+            os.replace(log + '.tmp', log)
+    videos = os.path.join(out_dir, 'eval')
+    for v in os.listdir(videos) if os.path.isdir(videos) else []:
+        if v.startswith('iter') and int(v[4:10]) > iter_num:  # iter000123_4.mp4
+            os.remove(os.path.join(videos, v))
+
+
+class Preemption:
+    """The first SIGTERM asks for a checkpoint at the next safe point (see requested()); a second
+    SIGTERM, or a SIGINT, exits at once. Either way the last published checkpoint stays intact
+    (atomic publication), and the half-written temporary directory is removed by the next save."""
+
+    def __init__(self, rank=0):
+        self.rank, self.flag = rank, False
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if signum == signal.SIGINT or self.flag:
+            os._exit(128 + signum)  # at once: no cleanup that could touch the checkpoints
+        self.flag = True
+        print(f'rank {self.rank}: SIGTERM, finishing the current iteration, then checkpoint and exit', flush=True)
+
+    def requested(self, device='cpu'):
+        """Whether any rank got SIGTERM: one all_reduce, so that every rank stops at the same point."""
+        if not dist.is_initialized():
+            return self.flag
+        t = torch.tensor([float(self.flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
+
+
+def resolve(path):
+    """A checkpoint directory: the one given, or the newest intact one of a train.py out_dir."""
+    if os.path.isfile(os.path.join(path, LOOP)):
+        return path
+    return candidates(path, log=lambda m: print(m, file=sys.stderr), collective=False)[0]  # this process alone
+
+
+def export(src, dest, dtype=torch.bfloat16):
+    """Checkpoint (or out_dir's newest) -> a diffusers transformer directory at dest:
+    HunyuanVideo15Transformer3DModel.from_pretrained(dest) loads it. LoRA runs: merged into the
+    base weights, and the adapter alone in dest/lora (diffusers' save_lora_adapter)."""
+    from diffusers.utils import logging
+    from model import load_policy
+    ckpt = resolve(src)
+    cfg = read_loop(ckpt)['config']
+    policy = load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
+    if cfg['lora_rank'] > 0:
+        policy.save_lora_adapter(os.path.join(dest, 'lora'))  # adapter weights + its LoraConfig
+        policy.fuse_lora()    # W += (alpha / r) B A, in float32
+        policy.unload_lora()  # back to the plain diffusers modules
+    logging.set_verbosity_error()  # its warning about float32 modules: this model has none
+    policy.to(dtype).save_pretrained(dest, safe_serialization=True, max_shard_size=EXPORT_SHARD)
+    return dest
+
+
+if __name__ == '__main__':
+    args = [a for a in sys.argv[1:] if not a.startswith('--')]
+    opts = dict(a[2:].split('=', 1) for a in sys.argv[1:] if a.startswith('--') and '=' in a)
+    if len(args) != 3 or args[0] != 'export':
+        raise SystemExit('usage: python checkpoint.py export OUT_DIR_OR_CKPT DEST [--dtype=bfloat16|float32]')
+    dt = getattr(torch, opts.get('dtype', 'bfloat16'), None)
+    if not isinstance(dt, torch.dtype):
+        raise SystemExit(f'--dtype must be a torch dtype such as bfloat16 or float32, got {opts["dtype"]!r}')
+    print(f'exported {resolve(args[1])} -> {export(args[1], args[2], dt)}')

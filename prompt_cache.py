@@ -1,0 +1,90 @@
+"""
+The prompt-embedding cache, sized for a prompt set that does not fit in host memory: every prompt
+is encoded once (by rank 0, with the pipeline's own encoders, model.encode_prompts) and written in
+chunks as safetensors shards keyed by a hash of the prompt; each rank memory-maps the shards and
+reads only the prompts it uses, when it uses them.
+
+    <out_dir>/prompt_cache/index.json          {"model": ..., "prompts": {hash: shard file}}
+    <out_dir>/prompt_cache/00000.safetensors   "<hash>.0" .. "<hash>.3": embeds, mask, embeds_2, mask_2
+
+    cache = PromptCache(build(dir, model, prompts))   # rank 0 builds (or extends), every rank opens
+    e1, m1, e2, m2 = cache['a red circle moving left']
+
+10,000 prompts of HunyuanVideo 1.5 (1000 x 3584 bf16 Qwen tokens at most, ~2-7 MB each) are
+20-70 GB: a torch.load of the whole cache on each of 8 ranks would need 8x that in host RAM.
+Here a rank holds one prompt's tensors per lookup (plus the OS page cache, shared by all ranks).
+Written atomically per shard and index (temp file, rename): a crash keeps the finished chunks.
+
+Tested by: python -m pytest tests/test_checkpoint.py -k prompt_cache
+"""
+import hashlib
+import json
+import os
+import shutil
+
+CHUNK = 256  # prompts encoded and written per shard file (rank 0 holds one chunk at a time)
+INDEX = 'index.json'
+
+
+def key(prompt):
+    """The name of a prompt inside the cache: a hash (any text, any length, a valid tensor name)."""
+    return hashlib.sha256(prompt.encode('utf-8')).hexdigest()[:32]
+
+
+def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
+    """Encode the prompts not yet in the cache at `path` (all, if it was built for another model).
+    encode_prompts: model.encode_prompts, or a stand-in with its signature (bench_checkpoint.py)."""
+    from safetensors.torch import save_file
+    if encode_prompts is None:
+        from model import encode_prompts
+    index = {}
+    if os.path.exists(os.path.join(path, INDEX)):
+        with open(os.path.join(path, INDEX)) as f:
+            index = json.load(f)
+    stale = index.get('model') != model  # another model's embeddings (or none): start over
+    if stale:
+        index = dict(model=model, prompts={})
+    missing = sorted(p for p in set(prompts) if key(p) not in index['prompts'])
+
+    def write(embeds):  # one chunk: {prompt: 4 tensors} -> a new shard, then the index
+        nonlocal stale
+        if stale:  # replaced only once this model's first chunk is encoded: a bad model path or
+            shutil.rmtree(path, ignore_errors=True)  # prompt fails before touching the cache
+            stale = False
+        os.makedirs(path, exist_ok=True)
+        name = f'{len({*index["prompts"].values()}):05d}.safetensors'
+        tensors = {f'{key(p)}.{j}': t.contiguous() for p, ts in embeds.items() for j, t in enumerate(ts)}
+        save_file(tensors, os.path.join(path, name + '.tmp'))
+        os.replace(os.path.join(path, name + '.tmp'), os.path.join(path, name))
+        index['prompts'].update({key(p): name for p in embeds})
+        with open(os.path.join(path, INDEX + '.tmp'), 'w') as f:
+            json.dump(index, f)
+        os.replace(os.path.join(path, INDEX + '.tmp'), os.path.join(path, INDEX))
+    if missing:
+        encode_prompts(model, missing, device, sink=write, chunk=chunk)
+    return path
+
+
+class PromptCache:
+    """cache[prompt] -> (embeds, mask, embeds_2, mask_2), read from the memory-mapped shard."""
+
+    def __init__(self, path):
+        with open(os.path.join(path, INDEX)) as f:
+            self.index = json.load(f)['prompts']
+        self.path, self.files = path, {}  # shard name -> open safe_open handle (mmap)
+
+    def __getitem__(self, prompt):
+        from safetensors import safe_open
+        k = key(prompt)
+        if k not in self.index:
+            raise KeyError(f'prompt not in the cache: {prompt!r}')
+        name = self.index[k]
+        if name not in self.files:
+            self.files[name] = safe_open(os.path.join(self.path, name), framework='pt')
+        return tuple(self.files[name].get_tensor(f'{k}.{j}') for j in range(4))
+
+    def __contains__(self, prompt):
+        return key(prompt) in self.index
+
+    def __len__(self):
+        return len(self.index)

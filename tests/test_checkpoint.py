@@ -1,0 +1,158 @@
+"""
+Training state that survives interruption (checkpoint.py, prompt_cache.py, train.py's signal and
+resume code), tested as a user meets it: real signals on running toy runs, then resume.
+- SIGTERM on one process: the iteration finishes, a checkpoint is written, exit 0; a second SIGTERM
+  exits at once and the last checkpoint stays intact; kill -9 then resume leaves each iteration in
+  metrics.jsonl once and no eval videos of lost iterations; the resumed run's weights are bitwise
+  those of an uninterrupted run.
+- SIGTERM on torchrun (2 ranks): every rank stops after the same iteration; the checkpoint has one
+  shard file per rank; it resumes in one process and back on 2 ranks (DCP reshards).
+- a damaged newest checkpoint (other bytes, or truncated) and a `latest` naming a gone one are
+  named and skipped.
+- the export (bf16) loads with diffusers' from_pretrained and gives the policy's velocity (the
+  fp32, LoRA and HunyuanVideo-pipeline checks are in test_train.py).
+- the prompt cache reads back what was encoded, from memory-mapped shards.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, weights
+
+import checkpoint
+
+
+def start(args, out, torchrun=False):
+    env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
+    launcher = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] \
+        if torchrun else [sys.executable]
+    os.makedirs(out, exist_ok=True)
+    log = open(os.path.join(out, 'stdout.txt'), 'w')
+    return subprocess.Popen(launcher + args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for(cond, p, timeout=240):
+    t0 = time.time()
+    while not cond():
+        assert p.poll() is None, f'process ended early ({p.returncode})'
+        assert time.time() - t0 < timeout, 'timed out'
+        time.sleep(0.1)
+
+
+def logged(out):
+    # iterations logged so far (metrics.jsonl may be half-written while we look)
+    try:
+        return [json.loads(l)['iter'] for l in open(os.path.join(out, 'metrics.jsonl')) if l.endswith('\n')]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def stdout(out):
+    return open(os.path.join(out, 'stdout.txt')).read()
+
+
+def newest(out):
+    return open(os.path.join(out, 'latest')).read().strip()
+
+
+ARGS = SMALL + ['--max_iters=4', '--eval_every=1']  # an eval (and a video) every iteration
+
+
+def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
+    ref, out = str(tmp_path / 'ref'), str(tmp_path / 'run')
+    run(ARGS + [f'--out_dir={ref}'])
+    # 1. SIGTERM while iteration 2 runs: it finishes, checkpoints and exits 0
+    p = start(ARGS + [f'--out_dir={out}', '--save_every=0'], out)
+    wait_for(lambda: 1 in logged(out), p)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0, stdout(out)[-3000:]
+    k = max(logged(out))
+    assert 'preempted' in stdout(out) and newest(out) == f'ckpt_{k:06d}' and k < 4
+    # 2. kill -9 after an iteration past the checkpoint was logged, and its eval video written
+    p = start(ARGS + [f'--out_dir={out}', '--init_from=resume', '--save_every=0'], out)
+    wait_for(lambda: k + 1 in logged(out) and any(f.startswith(f'iter{k + 1:06d}') for f in os.listdir(f'{out}/eval')), p)
+    p.kill()
+    p.wait()
+    # 3. resume with nothing left to do: the log and the eval videos are back at iteration k
+    run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={k}', '--export_dtype='])
+    assert sorted(i for i in logged(out)) == sorted([i for i in range(1, k + 1)] * 2)  # train row + eval row
+    assert all(int(f[4:10]) <= k for f in os.listdir(f'{out}/eval'))
+    # 4. two SIGTERMs: out at once (128 + 15), the published checkpoint untouched
+    before = {f: os.path.getsize(os.path.join(out, newest(out), f)) for f in os.listdir(os.path.join(out, newest(out)))}
+    p = start(ARGS + [f'--out_dir={out}', '--init_from=resume', '--save_every=1'], out)
+    wait_for(lambda: 'resumed from' in stdout(out), p)
+    p.send_signal(signal.SIGTERM)
+    wait_for(lambda: 'rank 0: SIGTERM' in stdout(out), p)  # two at once would arrive as one
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    assert checkpoint.damage(os.path.join(out, newest(out))) is None
+    assert before == {f: os.path.getsize(os.path.join(out, newest(out), f)) for f in before}
+    # 5. resume to the end: bitwise the uninterrupted run, each iteration logged once
+    run(ARGS + [f'--out_dir={out}', '--init_from=resume'])
+    check_run(out, 4)
+    wa, wb = weights(ref), weights(out)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[key], wb[key]) for key in wa)
+    assert [r['iter'] for r in metrics(out)] == [r['iter'] for r in metrics(ref)]
+    assert [r['lambda_kl'] for r in metrics(out) if 'reward' in r] == [r['lambda_kl'] for r in metrics(ref) if 'reward' in r]
+    # 6. damaged newest checkpoint and a `latest` naming a gone one: named, skipped, the next one used
+    ck = sorted(d for d in os.listdir(out) if d.startswith('ckpt_') and not d.endswith('.tmp'))
+    assert len(ck) == 2  # keep_checkpoints
+    shard = os.path.join(out, ck[-1], '__0_0.distcp')
+    with open(shard, 'r+b') as f:  # silent corruption: same size, other bytes
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b'\0' * 4096)
+    with open(os.path.join(out, 'latest'), 'w') as f:
+        f.write('ckpt_000099')
+    p = run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={int(ck[0][5:])}', '--export_dtype='])
+    assert 'names ckpt_000099, which is gone' in p.stdout
+    assert f'{ck[-1]} is damaged (__0_0.distcp has changed since it was written' in p.stdout
+    assert f'resumed from {os.path.join(out, ck[0])}' in p.stdout
+    with open(shard, 'r+b') as f:  # truncated
+        f.truncate(os.path.getsize(shard) // 2)
+    assert checkpoint.damage(os.path.join(out, ck[-1])).startswith('__0_0.distcp is ')
+    assert checkpoint.damage(os.path.join(out, ck[0])) is None
+    # nothing intact at all: one clear line
+    with open(os.path.join(out, ck[0], 'loop.json'), 'w') as f:
+        f.write('{')
+    p = run(ARGS + [f'--out_dir={out}', '--init_from=resume'], check=False)
+    assert p.returncode != 0 and 'has no intact checkpoint' in p.stderr.strip().splitlines()[-1]
+
+
+def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path):
+    out = str(tmp_path / 'fsdp')
+    p = start(ARGS + [f'--out_dir={out}', '--save_every=0', '--eval_every=0'], out, torchrun=True)
+    wait_for(lambda: 1 in logged(out), p)
+    p.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+    p.wait(timeout=120)
+    k = max(logged(out))
+    log = stdout(out)
+    assert 'rank 0: SIGTERM' in log and 'rank 1: SIGTERM' in log and 'preempted' in log and k < 4
+    files = sorted(os.listdir(os.path.join(out, newest(out))))
+    assert files == ['.metadata', '__0_0.distcp', '__1_0.distcp', 'loop.json']  # one shard file per rank
+    assert checkpoint.read_loop(os.path.join(out, newest(out)))['world'] == 2
+    # 2 ranks -> 1 process -> 2 ranks
+    run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={k + 1}', '--eval_every=0', '--save_every=1'])
+    assert checkpoint.read_loop(os.path.join(out, newest(out)))['world'] == 1
+    run(ARGS + [f'--out_dir={out}', '--init_from=resume', '--eval_every=0'], torchrun=True)
+    check_run(out, 4)
+    # the exported diffusers model (bf16) is the checkpoint's policy
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    export_matches_policy(T.from_pretrained(os.path.join(out, 'export')), out, 'assets/toy', tol=2e-2)
+
+
+def test_prompt_cache_reads_back_what_was_encoded(tmp_path):
+    import model as M
+    import prompt_cache
+    import toy
+    prompts = toy.all_prompts()[:10] + ['']
+    path = prompt_cache.build(str(tmp_path / 'pc'), toy.DIR, prompts[:6], chunk=4)  # two shards
+    path = prompt_cache.build(path, toy.DIR, prompts, chunk=4)                      # extended: +2 shards
+    cache, ref = prompt_cache.PromptCache(path), M.encode_prompts(toy.DIR, prompts)
+    assert len(cache) == len(prompts) and len([f for f in os.listdir(path) if f.endswith('.safetensors')]) == 4
+    for p in prompts:
+        assert all(torch.equal(a, b) for a, b in zip(cache[p], ref[p]))
