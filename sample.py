@@ -16,6 +16,7 @@ Then a table of every metric, mean over the prompts, base vs aligned (also out_d
 toy's exact reward and manifold distance, or VideoAlign's VQ/MQ/TA, plus CLIPScore and PickScore with
 --eval_metrics=clipscore,pickscore (metrics.py). Missing weights skip the table with the download command.
 """
+import json
 import os
 
 import torch

@@ -5,7 +5,7 @@ and a ratio of exactly 1 at theta = theta_old (clipfrac 0: old and new log-probs
 python -m pytest tests/test_credit_train.py"""
 import math
 
-from test_train import SMALL, check_run, metrics, run
+from test_train import SMALL, check_run, run
 
 
 def check_credit(out, iters):
