@@ -80,7 +80,7 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
     p.wait()
     # 3. resume with nothing left to do: the log and the eval videos are back at iteration k
     run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={k}', '--export_dtype='])
-    assert sorted(i for i in logged(out)) == sorted([i for i in range(1, k + 1)] * 2)  # train row + eval row
+    assert sorted(logged(out)) == [0] + sorted(list(range(1, k + 1)) * 2)  # the base model eval, then train + eval rows
     assert all(int(f[4:10]) <= k for f in os.listdir(f'{out}/eval'))
     # 4. two SIGTERMs: out at once (128 + 15), the published checkpoint untouched
     before = {f: os.path.getsize(os.path.join(out, newest(out), f)) for f in os.listdir(os.path.join(out, newest(out)))}
