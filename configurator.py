@@ -14,9 +14,10 @@ import types
 
 
 def _settings(g):
-    # a setting is a public module-level constant of a plain type
+    # a setting is a public lower-case module-level constant of a plain type (an imported upper-case
+    # constant such as equalizer.MEDIANS is a fact of the code, not a setting)
     plain = (bool, int, float, str, tuple, list, type(None))
-    return {k: v for k, v in g.items() if not k.startswith('_') and isinstance(v, plain)}
+    return {k: v for k, v in g.items() if not k.startswith('_') and not k.isupper() and isinstance(v, plain)}
 
 
 def _check(key, value, settings):

@@ -1,12 +1,14 @@
 """
-The prompt-embedding cache, sized for a prompt set that does not fit in host memory: every prompt
-is encoded once (by rank 0, with the pipeline's own encoders, model.encode_prompts) and written in
-chunks as safetensors shards keyed by a hash of the prompt; each rank memory-maps the shards and
-reads only the prompts it uses, when it uses them.
+The prompt set (read_prompts: a text file, or the released CSV format) and its embedding cache,
+sized for a prompt set that does not fit in host memory: every prompt is encoded once (by rank 0,
+with the pipeline's own encoders, model.encode_prompts) and written in chunks as safetensors shards
+keyed by a hash of the prompt; each rank memory-maps the shards and reads only the prompts it uses,
+when it uses them.
 
     <out_dir>/prompt_cache/index.json          {"model": ..., "prompts": {hash: shard file}}
     <out_dir>/prompt_cache/00000.safetensors   "<hash>.0" .. "<hash>.3": embeds, mask, embeds_2, mask_2
 
+    prompts, seeds = read_prompts('prompts/train.txt')  # a text file, or a CSV with prompt (and seed)
     cache = PromptCache(build(dir, model, prompts))   # rank 0 builds (or extends), every rank opens
     e1, m1, e2, m2 = cache['a red circle moving left']
 
@@ -17,6 +19,7 @@ Written atomically per shard and index (temp file, rename): a crash keeps the fi
 
 Tested by: python -m pytest tests/test_checkpoint.py -k prompt_cache
 """
+import csv
 import hashlib
 import json
 import os
@@ -24,6 +27,30 @@ import shutil
 
 CHUNK = 256  # prompts encoded and written per shard file (rank 0 holds one chunk at a time)
 INDEX = 'index.json'
+
+
+def read_prompts(path):
+    """Prompts of a text file (one per line) or a CSV with a 'prompt' column and an optional 'seed'
+    column (the released format); returns the prompts and {prompt: seed} of those that have one."""
+    try:
+        with open(path, newline='', encoding='utf-8') as f:
+            if path.endswith('.csv'):
+                rows = list(csv.DictReader(f))
+                if rows and 'prompt' not in rows[0]:
+                    raise SystemExit(f'prompt file {path!r} has no prompt column (columns: {list(rows[0])})')
+                lines = [r['prompt'].strip() for r in rows if r['prompt'].strip()]
+                seeds = {r['prompt'].strip(): int(r['seed']) for r in rows if (r.get('seed') or '').strip()}
+            else:
+                lines, seeds = [l.strip() for l in f if l.strip()], {}
+    except FileNotFoundError:
+        raise SystemExit(f'prompt file {path!r} not found (one prompt per line, or a CSV with a prompt column)')
+    except UnicodeDecodeError as e:
+        line = open(path, 'rb').read()[:e.start].count(b'\n') + 1
+        raise SystemExit(f'prompt file {path!r} is not UTF-8 text (line {line}: byte {e.object[e.start]:#x}); '
+                         're-save it as UTF-8')
+    if not lines:
+        raise SystemExit(f'prompt file {path!r} is empty (one prompt per line, or a CSV with a prompt column)')
+    return lines, seeds
 
 
 def key(prompt):

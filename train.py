@@ -32,7 +32,6 @@ Where this code knowingly differs from the paper or its released code:
 - credit='tvrl' (not in the paper; TVRL on top): each clip's log-prob is a credit-weighted mean over its
   latent tokens (credit.py) instead of the plain mean, in both the old and the new log-prob.
 """
-import csv
 import hashlib
 import json
 import os
@@ -187,31 +186,7 @@ def mean_all(x):
     return t.item() / world
 
 
-def read_prompts(path):
-    """Prompts of a text file (one per line) or a CSV with a 'prompt' column and an optional 'seed'
-    column (the released format); returns the prompts and {prompt: seed} of those that have one."""
-    try:
-        with open(path, newline='', encoding='utf-8') as f:
-            if path.endswith('.csv'):
-                rows = list(csv.DictReader(f))
-                if rows and 'prompt' not in rows[0]:
-                    raise SystemExit(f'prompt file {path!r} has no prompt column (columns: {list(rows[0])})')
-                lines = [r['prompt'].strip() for r in rows if r['prompt'].strip()]
-                seeds = {r['prompt'].strip(): int(r['seed']) for r in rows if (r.get('seed') or '').strip()}
-            else:
-                lines, seeds = [l.strip() for l in f if l.strip()], {}
-    except FileNotFoundError:
-        raise SystemExit(f'prompt file {path!r} not found (one prompt per line, or a CSV with a prompt column)')
-    except UnicodeDecodeError as e:
-        line = open(path, 'rb').read()[:e.start].count(b'\n') + 1
-        raise SystemExit(f'prompt file {path!r} is not UTF-8 text (line {line}: byte {e.object[e.start]:#x}); '
-                         're-save it as UTF-8')
-    if not lines:
-        raise SystemExit(f'prompt file {path!r} is empty (one prompt per line, or a CSV with a prompt column)')
-    return lines, seeds
-
-
-(train_list, prompt_seeds), (eval_list, _) = read_prompts(train_prompts), read_prompts(eval_prompts)
+(train_list, prompt_seeds), (eval_list, _) = prompt_cache.read_prompts(train_prompts), prompt_cache.read_prompts(eval_prompts)
 if master:
     try:
         os.makedirs(out_dir, exist_ok=True)
