@@ -32,6 +32,7 @@ Where this differs from a plain dcp.save of everything, and why:
 
 Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
 """
+import enum
 import json
 import os
 import pickle
@@ -229,7 +230,16 @@ class _SafeUnpickler(pickle.Unpickler):
         if module.startswith('torch.distributed.checkpoint') or (module, name) in _SAFE or \
                 (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if (module, name) == ('builtins', 'getattr'):  # some Pythons (3.11.2) pickle an enum member
+            return _enum_member                          # as getattr(EnumClass, 'NAME')
         raise pickle.UnpicklingError(f'{module}.{name} is not allowed in a DCP .metadata file')
+
+
+def _enum_member(cls, name):
+    # getattr limited to a member of one of DCP's own enums (e.g. its memory-format encoding)
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.startswith('torch.distributed.checkpoint'):
+        return cls[name]
+    raise pickle.UnpicklingError(f'getattr({cls!r}, {name!r}) is not allowed in a DCP .metadata file')
 
 
 _SAFE = {('torch', 'Size'), ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset'),

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, weights
@@ -156,3 +157,24 @@ def test_prompt_cache_reads_back_what_was_encoded(tmp_path):
     assert len(cache) == len(prompts) and len([f for f in os.listdir(path) if f.endswith('.safetensors')]) == 4
     for p in prompts:
         assert all(torch.equal(a, b) for a, b in zip(cache[p], ref[p]))
+
+
+def test_metadata_unpickler_admits_dcp_enum_members_and_nothing_else():
+    """Python 3.11.2 pickles DCP's enum members as getattr(EnumClass, 'NAME'): that getattr is
+    admitted for DCP's own enums only, never as a way to reach any other attribute."""
+    import io
+    import pickle
+    from collections import OrderedDict
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as E
+
+    class Ref:  # pickles as getattr(cls, name), the way Python 3.11.2 pickles an enum member
+        def __init__(self, cls, name):
+            self.cls, self.name = cls, name
+
+        def __reduce__(self):
+            return getattr, (self.cls, self.name)
+
+    member = E.TORCH_CONTIGUOUS_FORMAT
+    assert checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(Ref(E, member.name)))).load() is member
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(Ref(OrderedDict, 'fromkeys')))).load()
