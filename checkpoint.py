@@ -50,6 +50,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
     get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
+from trust_region import reshard  # FSDP2's kept-gathered root weights, sharded back
+
 # DCP works without a process group too (one process); it warns that it assumes so
 warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavailable or uninitialized')
 
@@ -67,19 +69,10 @@ def _barrier():
         dist.barrier()
 
 
-def _reshard(model):
-    # FSDP2 keeps the root's weights gathered after a forward, and named_parameters() then returns
-    # those unsharded tensors, not the sharded ones the optimizer holds: shard them back first
-    from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 def _trainable_weights(model):
     # name -> tensor of the weights the optimizer moves (sharded DTensors under FSDP2, sharing
     # storage with the parameters): dcp.save writes them and dcp.load reads into them in place
-    _reshard(model)
+    reshard(model)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in get_model_state_dict(model).items() if k in names}
 
@@ -103,7 +96,7 @@ def _init_state(optimizers):
 def _tensor_state(model, optimizers):
     # the optimizer's tensors, keyed by parameter name (not id): they reshard across world sizes.
     # optimizers: one or a list (e.g. Muon for matrices + AdamW for the rest): one combined dict
-    _reshard(model)
+    reshard(model)
     osd = get_optimizer_state_dict(model, optimizers)
     return osd['state'], osd['param_groups']
 

@@ -53,7 +53,7 @@ def gaussian_kl(mean, mean_ref, std):
     return sq / (2 * std**2)
 
 
-def _reshard(model):
+def reshard(model):
     # FSDP2 leaves the root's weights all-gathered after a forward (they are needed for backward),
     # and then named_parameters() returns those full tensors. Resharding every FSDP module puts the
     # sharded DTensors back and makes the next forward all-gather again, from what we wrote.
@@ -65,7 +65,7 @@ def _reshard(model):
 def _trainable(model):
     # the weights the optimizer moves: all of them for a full fine-tune, the adapters for LoRA
     # (peft freezes the base; with diffusers' add_adapter, call requires_grad_(False) first)
-    _reshard(model)
+    reshard(model)
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 

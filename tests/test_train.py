@@ -199,6 +199,7 @@ def test_lora_trains_only_adapters_and_exports(tmp_path):
 
 def velocity_of(net, base, prompts=('a red circle moving left',), shape=None):
     import model as M
+    import toy  # noqa: F401  plugs the toy world (its latent shape and text encoder) into model.py
     x = torch.randn(len(prompts), *(shape or M.latent_shape(base, 0, 0, 0)), generator=torch.Generator().manual_seed(0))
     text = M.batch_text(M.encode_prompts(base, list(prompts)), list(prompts), 'cpu')
     with torch.no_grad():
@@ -209,6 +210,7 @@ def export_matches_policy(exported, out, base, prompts=('a red circle moving lef
     """The exported transformer's velocity is the policy's of out's newest checkpoint (fp32 export)."""
     import checkpoint
     import model as M
+    import toy  # noqa: F401  plugs the toy world (its latent shape and text encoder) into model.py
     with open(os.path.join(out, 'latest')) as f:
         ckpt = os.path.join(out, f.read().strip())
     policy = checkpoint.load_weights(ckpt, M.load_policy(base, 'cpu', lora_rank=lora_rank))
