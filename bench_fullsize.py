@@ -101,7 +101,7 @@ def load_config(path=model_config):
         return {k: v for k, v in json.load(f).items() if not k.startswith('_')}
 
 
-def build(cfg, lora=0, checkpointing=True):
+def build(cfg, lora=0, checkpointing=True, bf16_base=True):
     """The transformer on the meta device (no memory); LoRA adapters as model.load_policy adds them."""
     from diffusers import HunyuanVideo15Transformer3DModel as T
     with torch.device('meta'):
@@ -110,7 +110,12 @@ def build(cfg, lora=0, checkpointing=True):
             from peft import LoraConfig
             from model import LORA_TARGETS
             model.requires_grad_(False)
+            if bf16_base:  # the frozen base in bf16, as load_policy keeps it for LoRA on one GPU (CUDA)
+                model.to(torch.bfloat16)
             model.add_adapter(LoraConfig(r=lora, lora_alpha=lora, target_modules=LORA_TARGETS))
+            for p in model.parameters():  # the adapters (and so their AdamW state and anchor) in fp32
+                if p.requires_grad:
+                    p.data = p.data.float()
     if checkpointing:
         model.enable_gradient_checkpointing()  # non-reentrant torch.utils.checkpoint per block
     return model
@@ -590,7 +595,7 @@ def check():
     Fr, H, W = (9, 64, 96) if tiny else (num_frames, *sizes[0])
     L1, L2 = (8, 4) if tiny else text_tokens
     torch.manual_seed(seed)
-    model = build(cfg, lora=0 if ddp else lora_rank)
+    model = build(cfg, lora=0 if ddp else lora_rank, bf16_base=cuda)
     model.forward = partial(transformer, model)
     if ddp:
         shard(model, cuda=cuda)
