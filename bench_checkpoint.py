@@ -311,7 +311,7 @@ def bench_checkpoints():
                                           host_node_gb=(g + (TARGET_N - 1) * max(g_other, 0)) * ST)
     md = ['## Checkpoint and resume cost (bench_checkpoint.py)', '',
           'Random HunyuanVideo15Transformer3DModel configs, fp32 training state = 16 bytes a parameter (weights, '
-          f'AdamW moments, anchor), on this machine\'s 2 CPU cores (gloo). `dcp`: checkpoint.py (each rank writes '
+          'AdamW moments, anchor), on this machine\'s 2 CPU cores (gloo). `dcp`: checkpoint.py (each rank writes '
           f'and reads its own shards); `old`: the code it replaced (gathered to rank 0, one pickle, every rank '
           f'loads all of it). Peak = the highest sampled RSS of a rank during the save / the resume; fraction = '
           f'(peak - RSS before the model was built: interpreter, libraries, process group) / full training state, the worst rank. Written = bytes per rank.', '',
