@@ -7,6 +7,7 @@ state gathered to rank 0 and pickled into one state.pt; on resume every rank tor
 reimplemented below from git history, f775d5f train.py save_checkpoint and its resume block).
 
     python bench_checkpoint.py              # ~5 min on 2 cores; results/checkpoint.{md,json}, README block
+    python bench_checkpoint.py --parts=      # no measurement: the report and README block from checkpoint.json
     python bench_checkpoint.py --quick=True # the 20M config only (a smoke test)
     python bench_checkpoint.py --parts=prompts   # one part again, the other keeps its last results
 
@@ -312,9 +313,9 @@ def bench_checkpoints():
     md = ['## Checkpoint and resume cost (bench_checkpoint.py)', '',
           'Random HunyuanVideo15Transformer3DModel configs, fp32 training state = 16 bytes a parameter (weights, '
           'AdamW moments, anchor), on this machine\'s 2 CPU cores (gloo). `dcp`: checkpoint.py (each rank writes '
-          f'and reads its own shards); `old`: the code it replaced (gathered to rank 0, one pickle, every rank '
-          f'loads all of it). Peak = the highest sampled RSS of a rank during the save / the resume; fraction = '
-          f'(peak - RSS before the model was built: interpreter, libraries, process group) / full training state, the worst rank. Written = bytes per rank.', '',
+          'and reads its own shards); `old`: the code it replaced (gathered to rank 0, one pickle, every rank '
+          'loads all of it). Peak = the highest sampled RSS of a rank during the save / the resume; fraction = '
+          '(peak - RSS before the model was built: interpreter, libraries, process group) / full training state, the worst rank. Written = bytes per rank.', '',
           '| config | params | state GB | code | ranks | save peak GB per rank | save fraction | resume peak GB per rank '
           '| resume fraction | written GB per rank | save s | resume s |',
           '|---|---|---|---|---|---|---|---|---|---|---|---|']
@@ -374,9 +375,12 @@ def main():
         if README_BEGIN in readme:
             head, rest = readme.split(README_BEGIN)
             # the per-config table stays in results/checkpoint.md; the README quotes the rest
-            short = md[next(i for i, l in enumerate(md) if l.startswith('**At ')):]
-            sub = '\n'.join(['Full per-config table: [results/checkpoint.md](results/checkpoint.md).', ''] +
-                            ['#' + l if l.startswith('#') else l for l in short]) + '\n'
+            # the tables and how they were measured stay in results/checkpoint.md; the README quotes the verdicts
+            bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')]
+            sub = '\n'.join(['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
+                f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
+                f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) + '.',
+                '', 'How these were measured, and every config: [results/checkpoint.md](results/checkpoint.md).']) + '\n'
             readme = head + README_BEGIN + '\n' + sub + rest[rest.index(README_END):]
             with open('README.md', 'w') as f:
                 f.write(readme)
