@@ -56,12 +56,13 @@ workers = 1             # 2 cores -> 2 processes (--worker=0 and --worker=1 --wo
 run = True              # False: only the report, from the cells already cached
 threads = 1             # torch threads of every train.py (2 processes x 1 thread on 2 cores)
 thresholds = (0.65, 0.70)  # comparison 5: held-out composite to reach
+late_iters = 20         # a run's composite, VQ, manifold = the mean of its evaluations at iterations >= iters - 20
 config = configure(globals())
 # -----------------------------------------------------------------------------
 C.setup(out, threads, budget_min)
 REF = dict(sampler='sage', equalizer=True, kl_strategy='dual')
 TR = dict(kl_max=tr_kl_max, updates_per_iter=tr_updates)
-DUAL, MOVING, NONE = (f'{k}, kl_max={tr_kl_max:g}, {tr_updates} updates' for k in ('dual', 'moving', 'none'))
+DUAL, MOVING, NONE = (f'{k} (kl_max {tr_kl_max:g}, {tr_updates} updates)' for k in ('dual', 'moving', 'none'))
 MATCH_CELL = 's1_matched_{}_p16_i6'  # written by `python bench.py --sections=1` (16 prompts, 6 bisection steps)
 
 
@@ -130,7 +131,7 @@ def paired(a, b):
 def verdict(ci):
     """The claim 'the reference is better' (ci of the reference's advantage, positive = better)."""
     if ci['n'] < 2:
-        return 'not run'
+        return 'too few seeds yet' if ci['n'] else 'not run'
     return 'holds' if ci['lo'] > 0 else 'fails' if ci['hi'] < 0 else 'cannot be told'
 
 
@@ -152,9 +153,16 @@ def stays(run, thr):
     return (sum(later) / len(later) if later else 1.0) if it <= iters else None
 
 
+def late(run, key):
+    """The mean of `key` over the evaluations of the last `late_iters` iterations (40, 45, .., 60): where
+    a run ends, less noisy than its one last evaluation (the policy still moves between evaluations)."""
+    xs = [e[key] for e in run['evals'] if e['iter'] >= iters - late_iters]
+    return sum(xs) / len(xs)
+
+
 METRICS = {  # name: (value of a run, +1 if higher is better, -1 if lower is)
-    'composite': (lambda r: r['final']['composite'], 1), 'VQ': (lambda r: r['final']['VQ'], 1),
-    'manifold': (lambda r: r['final']['manifold'], -1),
+    'composite': (lambda r: late(r, 'composite'), 1), 'VQ': (lambda r: late(r, 'VQ'), 1),
+    'manifold': (lambda r: late(r, 'manifold'), -1),
     'explore': (lambda r: sum(i['group_std'] for i in r['iters']) / len(r['iters']), 1)}
 
 
@@ -204,7 +212,7 @@ NO_CLAIM = {('sage', 'sage G=8')}  # what more samples give sage itself: measure
 
 def grouped(items):
     """[(other, verdict, interval)] -> 'holds vs a (..) and b (..); cannot be told vs c (..)'."""
-    order = ('holds', 'fails', 'cannot be told', 'not run')
+    order = ('holds', 'fails', 'cannot be told', 'too few seeds yet', 'not run')
     return '; '.join(f'{w} vs ' + ' and '.join(f'{b} ({c})' if c != '-' else b for b, v, c in items if v == w)
                      for w in order if any(v == w for _, v, _ in items))
 
@@ -217,7 +225,8 @@ def report(cs):
     md = ['## 6. Decisive verdicts: paired seeds (`python bench_verdicts.py`)', '',
           f'{iters} iterations of `train.py config/toy.py` ({prompts} prompts x G=4 = {4 * prompts} clips an iteration '
           f'unless stated), seeds 0..{seeds - 1}; held-out ODE evaluation (16 prompts x 2 seeds) every {eval_every} '
-          'iterations. Runs sharing a seed share prompts and noises, so each row is the **per-seed difference** to '
+          f'iterations; a run\'s composite, VQ and manifold distance are the mean of its evaluations at iterations '
+          f'{iters - late_iters}..{iters} (where it ends; one evaluation is noisier). Runs sharing a seed share prompts and noises, so each row is the **per-seed difference** to '
           'its reference cell: mean and 95% t interval over the seeds, signed so that **positive = the reference is '
           'better** (higher composite, VQ and exploration; lower manifold distance). The claim holds if the interval '
           'is above 0, fails if it is below, and cannot be told at this budget if it spans 0.', '']
@@ -226,15 +235,16 @@ def report(cs):
     for label, rs in runs.items():
         rs = [r for r in rs if r]
         if not rs:
-            rows.append([label, 0] + [''] * 8)
+            rows.append([label, 0] + [''] * 7)
             continue
-        f = lambda m: mean([METRICS[m][0](r) if m in METRICS else r['final'][m] for r in rs])
+        f = lambda m: mean([METRICS[m][0](r) if m in METRICS else late(r, m) for r in rs])
         reach = {t: [first_reach(r, t) for r in rs] for t in thresholds}
         res['cells'][label] = dict(overrides=cs[label], n=len(rs), **{m: f(m) for m in ('composite', 'VQ', 'MQ', 'TA', 'manifold', 'explore')},
                                    before=mean([r['before']['composite'] for r in rs]), reach=reach)
         rows.append([label, len(rs), f'{res["cells"][label]["before"]:.3f}'] +
                     [f'{f(m):.3f}' for m in ('composite', 'VQ', 'MQ', 'TA', 'manifold', 'explore')])
-    md += ['**Every cell** (mean over seeds, final evaluation; explore = mean within-group reward std over the run):',
+    md += [f'**Every cell** (mean over seeds of the iterations {iters - late_iters}..{iters}; before = iteration 0; explore = '
+           'mean within-group reward std over the run):',
            '', table(['cell', 'seeds', 'before', 'composite', 'VQ', 'MQ', 'TA', 'manifold', 'explore'], rows), '']
     m = matched()
     md += ['Matched exploration (bench.py section 1): ' + '; '.join(
@@ -319,8 +329,9 @@ def plots(runs, cs):
                     ax.plot(x, [c['mean'] for c in cis], marker='.', label=f'{a} - {b}')
                     ax.fill_between(x, [c['lo'] for c in cis], [c['hi'] for c in cis], alpha=0.15)
             ax.axhline(0, color='k', lw=0.8)
-            ax.set(xlabel='iteration', title=f'{mt}: reference better ->' if mt != 'manifold' else 'manifold: reference nearer ->')
-            ax.legend(fontsize=6)
+            ax.set(xlabel='iteration', title=f'Δ {mt} (> 0: the reference is {"nearer" if mt == "manifold" else "better"})')
+            if ax.lines[:-1]:  # some pair has 2 seeds
+                ax.legend(fontsize=6)
         fig.suptitle(f'{k}. {title}', fontsize=9)
         fig.tight_layout()
         fig.savefig(os.path.join(out, f'verdict_{k}.png'), dpi=100)
