@@ -86,7 +86,7 @@ TOY = {}  # the toy world's sampler settings, read from config/toy.py (num_steps
 exec(open('config/toy.py').read(), {}, TOY)
 SPEC_STEPS, SPEC_SHIFT = 20, 5.0  # the paper's schedule
 C.setup(out, threads, budget_min)
-T_START, MODEL_HASH, cell, cached = C.T_START, C.MODEL_HASH, C.cell, C.cached
+T_START, MODEL_HASH, cell, cached, table = C.T_START, C.MODEL_HASH, C.cell, C.cached, C.table
 try:
     import matplotlib
     matplotlib.use('Agg')
@@ -97,12 +97,6 @@ except ImportError:  # the tables are written all the same
 
 def f4(x):
     return f'{x:.4f}' if abs(x) >= 1e-3 or x == 0 else f'{x:.2e}'
-
-
-def table(header, rows):
-    """A Markdown table from a header list and rows of already formatted cells."""
-    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
-    return '\n'.join(lines + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])
 
 
 def mean_std(xs):

@@ -77,6 +77,12 @@ def cell(name, fn):
     return res
 
 
+def table(header, rows):
+    """A Markdown table from a header list and rows of already formatted cells."""
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    return '\n'.join(lines + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])
+
+
 def over_budget():
     return bool(BUDGET_MIN) and time.time() - T_START > 60 * BUDGET_MIN
 

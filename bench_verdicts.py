@@ -39,6 +39,7 @@ import os
 import torch
 
 import bench_cells as C
+from bench_cells import table
 from configurator import configure
 
 # ----------------------------------------------------------------------------- settings
@@ -172,17 +173,6 @@ def advantage(runs, ref, other, metric):
     get, sign = METRICS[metric]
     ss = [s for s in range(seeds) if runs[ref][s] and runs[other][s]]
     return paired([sign * get(runs[ref][s]) for s in ss], [sign * get(runs[other][s]) for s in ss])
-
-
-def curve(runs, ref, other):
-    """Iterations and the paired reference-minus-other held-out composite at each, with intervals."""
-    ss = [s for s in range(seeds) if runs[ref][s] and runs[other][s]]
-    if len(ss) < 2:
-        return None
-    its = [e['iter'] for e in runs[ref][ss[0]]['evals']]
-    by = lambda r: {e['iter']: e['composite'] for e in r['evals']}
-    cis = [paired([by(runs[ref][s])[i] for s in ss], [by(runs[other][s])[i] for s in ss]) for i in its]
-    return its, cis
 
 
 def curve_of(runs, ref, other, metric='composite'):
@@ -354,11 +344,6 @@ def plots(runs, cs):
     fig.tight_layout()
     fig.savefig(os.path.join(out, 'verdict_5.png'), dpi=100)
     plt.close(fig)
-
-
-def table(header, rows):
-    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
-    return '\n'.join(lines + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])
 
 
 def put_block(path, tag, lines):
