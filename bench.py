@@ -12,7 +12,7 @@ installed); every finished cell is cached as results/cells/<name>.json and skipp
     python bench.py --budget_min=40          # start no new training run after 40 minutes
     python bench.py --sections=3 --ablations=f --reverse=True   # a second process, meeting the first halfway
 
-Writes README.md's results block (between its bench:results markers) from the same numbers, so the
+Writes README.md's results block (between its bench:begin/end markers) from the same numbers, so the
 README never quotes a figure by hand.
 
 Sections (the numbers of the README's tables):
@@ -672,13 +672,11 @@ if prev.get('model_hash') == MODEL_HASH and prev.get('config', {}).get('quick') 
     for k, lines in prev.get('markdown', {}).items():  # --sections=...: the others stay as last written
         if k not in by_num:
             by_num[k], R[k] = lines, prev.get(k)
-keep = ''  # section 6 is bench_verdicts.py's block: kept as that script last wrote it
-if os.path.exists(os.path.join(out, 'README.md')):
-    text = open(os.path.join(out, 'README.md')).read()
-    a, b = text.find('<!-- bench_verdicts:begin -->'), text.find('<!-- bench_verdicts:end -->')
-    keep = '\n' + text[a:b + len('<!-- bench_verdicts:end -->')] + '\n' if 0 <= a < b else ''
+keep = C.get_block(os.path.join(out, 'README.md'), 'bench_verdicts')  # section 6: bench_verdicts.py's block
 with open(os.path.join(out, 'README.md'), 'w') as f:
-    f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n' + keep)
+    f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
+if keep is not None:
+    C.put_block(os.path.join(out, 'README.md'), 'bench_verdicts', keep)
 with open(os.path.join(out, 'bench.json'), 'w') as f:
     json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
 
@@ -695,9 +693,9 @@ def md_table(lines, header, nth=0):
 
 
 def readme_block():
-    """The README's numbers, from this run's results: written between its bench:results markers."""
+    """The README's numbers, from this run's results: its block `bench`."""
     get = lambda k: by_num.get(k, [])
-    out_ = ['<!-- bench:results: written by `python bench.py` from results/; edit bench.py, not this block -->', '']
+    out_ = ['']
     if get('2'):
         out_ += ['**Fig. 4** (bench section 2): measured ||d logp_t / d theta|| per step vs the proxy N_t; max/min '
                  'over steps of the per-step gradient norm without and with the equalizer\'s S_t (toy schedule; '
@@ -713,18 +711,10 @@ def readme_block():
                 [l for l in get('4') if l.startswith('The transformer passes')] + ['']
     if 'muon' in (R.get('5') or {}):  # the full-size table itself is bench_fullsize.py's own README block
         out_ += [l for l in get('5') if l.startswith('Muon (the released optimizer')] + ['']
-    out_ += ['<!-- /bench:results -->']
     return out_
 
 
-readme = 'README.md'
-if not quick and out == 'results' and os.path.exists(readme):
-    text = open(readme).read()
-    a, b = text.find('<!-- bench:results'), text.find('<!-- /bench:results -->')
-    if a >= 0 and b > a:
-        text = text[:a] + '\n'.join(readme_block()) + text[b + len('<!-- /bench:results -->'):]
-        with open(readme + '.tmp', 'w') as f:
-            f.write(text)
-        os.replace(readme + '.tmp', readme)
-        print('README.md: results block rewritten', flush=True)
+if not quick and out == 'results' and os.path.exists('README.md'):
+    C.put_block('README.md', 'bench', readme_block())
+    print('README.md: results block rewritten', flush=True)
 print(f'bench done in {time.time() - T_START:.0f}s: {out}/README.md', flush=True)

@@ -12,6 +12,9 @@ the first cell it had not finished, and the cells are committed, so a long bench
 train() runs train.py as a user runs it (a subprocess, no hooks inside) and keeps its logged metrics:
 `iters` (one row per iteration), `evals` (every held-out evaluation, iteration 0 included), `final`
 (the last evaluation) and `before` (iteration 0's).
+
+put_block() rewrites the generated block of a Markdown file (README.md, results/README.md) that a
+bench owns: figures in the README come from the files a bench wrote, never retyped.
 """
 import hashlib
 import json
@@ -81,6 +84,32 @@ def table(header, rows):
     """A Markdown table from a header list and rows of already formatted cells."""
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     return '\n'.join(lines + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])
+
+
+def block_marks(tag):
+    """The markers of the generated block `tag` (the script tag.py writes it) in a Markdown file."""
+    return (f'<!-- {tag}:begin: written by `python {tag}.py`; edit that script, not this block -->',
+            f'<!-- {tag}:end -->')
+
+
+def get_block(path, tag):
+    """The lines of block `tag` in path (markers excluded), or None if it has none."""
+    text = open(path).read() if os.path.exists(path) else ''
+    a, b = text.find(f'<!-- {tag}:begin'), text.find(f'<!-- {tag}:end -->')
+    return text[text.index('\n', a) + 1:b][:-1].split('\n') if 0 <= a < b else None  # [:-1]: the newline before end
+
+
+def put_block(path, tag, lines):
+    """Rewrite block `tag` of a Markdown file (appended if absent); the rest of the file stays as it is."""
+    text = open(path).read() if os.path.exists(path) else ''
+    begin, end = block_marks(tag)
+    block = '\n'.join([begin] + list(lines) + [end])
+    a, b = text.find(f'<!-- {tag}:begin'), text.find(end)
+    text = text[:a] + block + text[b + len(end):] if 0 <= a < b else \
+        (text.rstrip('\n') + '\n\n' if text.strip() else '') + block + '\n'
+    with open(path + '.tmp', 'w') as f:
+        f.write(text)
+    os.replace(path + '.tmp', path)  # atomic: a killed bench never leaves half a README
 
 
 def over_budget():

@@ -36,6 +36,8 @@ import time
 
 import torch
 
+import bench_cells as C
+
 # ----------------------------------------------------------------------------- settings
 out = 'results'                 # checkpoint.md and checkpoint.json go here
 work = '/tmp/bench_checkpoint'  # checkpoints are written here (deleted after each measurement)
@@ -52,7 +54,6 @@ PROMPT_READS = 64               # prompts one rank reads in the measurement
 OLD_MAX_P = 1.2e8               # the old code is measured up to this size (at 320M its 2-rank resume
                                 # needs ~14 GB on this shared 23 GB machine; its fraction is flat in P)
 OLD_CACHE_MAX = 4e9             # the old single-file cache is measured only below this size (host RAM)
-README_BEGIN, README_END = '<!-- bench_checkpoint:begin -->', '<!-- bench_checkpoint:end -->'
 
 
 def rss():
@@ -371,19 +372,12 @@ def main():
         json.dump(dict(checkpoint=ck, prompt_cache=pc, markdown_checkpoint=ck_md, markdown_prompts=pc_md,
                        quick=quick), f, indent=1)
     if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
-        readme = open('README.md').read()
-        if README_BEGIN in readme:
-            head, rest = readme.split(README_BEGIN)
-            # the per-config table stays in results/checkpoint.md; the README quotes the rest
-            # the tables and how they were measured stay in results/checkpoint.md; the README quotes the verdicts
-            bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')]
-            sub = '\n'.join(['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
-                f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
-                f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) + '.',
-                '', 'How these were measured, and every config: [results/checkpoint.md](results/checkpoint.md).']) + '\n'
-            readme = head + README_BEGIN + '\n' + sub + rest[rest.index(README_END):]
-            with open('README.md', 'w') as f:
-                f.write(readme)
+        # the tables and how they were measured stay in results/checkpoint.md; the README quotes the verdicts
+        bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')]
+        C.put_block('README.md', 'bench_checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
+            f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
+            f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) + '.',
+            '', 'How these were measured, and every config: [results/checkpoint.md](results/checkpoint.md).'])
     print(text)
 
 

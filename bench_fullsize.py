@@ -63,6 +63,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+import bench_cells as C
+from bench_cells import table
 from configurator import configure
 from model import IMAGE_TOKENS, _cat_text, shard
 from trust_region import Anchor
@@ -441,11 +443,6 @@ def estimate():
     print(f'wrote {out_dir}/fullsize.md and fullsize.json in {time.time() - t0:.0f}s')
 
 
-def table(head, rows):
-    return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] +
-                     ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])
-
-
 def summary(out):
     """The README's block: each run's measured peak per GPU next to the formula's total."""
     runs, extras = out['runs'], sum(out['extras'].values())
@@ -459,13 +456,7 @@ def summary(out):
 
 
 def update_readme(out, path='README.md'):
-    begin, end = '<!-- bench_fullsize.py: begin -->', '<!-- bench_fullsize.py: end -->'
-    with open(path) as f:
-        text = f.read()
-    if begin in text and end in text:
-        a, b = text.index(begin) + len(begin), text.index(end)
-        with open(path, 'w') as f:
-            f.write(text[:a] + '\n' + summary(out) + '\n' + text[b:])
+    C.put_block(path, 'bench_fullsize', [summary(out)])
 
 
 def report(out):

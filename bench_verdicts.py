@@ -346,18 +346,6 @@ def plots(runs, cs):
     plt.close(fig)
 
 
-def put_block(path, tag, lines):
-    """Replace the text between <!-- tag:begin --> and <!-- tag:end --> in path (append it if absent)."""
-    text = open(path).read() if os.path.exists(path) else ''
-    a, b = f'<!-- {tag}:begin -->', f'<!-- {tag}:end -->'
-    block = '\n'.join([a] + lines + [b])
-    i, j = text.find(a), text.find(b)
-    text = text[:i] + block + text[j + len(b):] if 0 <= i < j else text.rstrip('\n') + '\n\n' + block + '\n'
-    with open(path + '.tmp', 'w') as f:
-        f.write(text)
-    os.replace(path + '.tmp', path)
-
-
 if __name__ == '__main__':
     cs = cells()
     print(f'bench_verdicts: {len(cs)} cells x {seeds} seeds x {iters} iterations; out={out}', flush=True)
@@ -371,7 +359,7 @@ if __name__ == '__main__':
         json.dump(dict(res, have=have), f, indent=1)
     with open(os.path.join(out, 'verdicts.md'), 'w') as f:
         f.write('\n'.join(md[:1] + [''] + note + md[2:]) + '\n')
-    put_block(os.path.join(out, 'README.md'), 'bench_verdicts', md[:1] + [''] + note + md[2:])
+    C.put_block(os.path.join(out, 'README.md'), 'bench_verdicts', md[:1] + [''] + note + md[2:])
     if out == 'results' and os.path.exists('README.md'):
-        put_block('README.md', 'bench_verdicts', note + ['- ' + c for c in res['claims']])
+        C.put_block('README.md', 'bench_verdicts', note + ['- ' + c for c in res['claims']])
     print('\n'.join(res['claims']))

@@ -95,7 +95,7 @@ def test_report_of_fabricated_cells(tmp_path):
     assert bv.verdict(c1['sage vs dance']['composite']) == 'fails'
     assert bv.verdict(c1['sage vs dance']['manifold']) == 'fails'  # the mirrored manifold: lower is better
     md = (tmp_path / 'README.md').read_text()
-    assert '<!-- bench_verdicts:begin -->' in md and 'holds vs flow' in md and 'fails vs dance' in md
+    assert '<!-- bench_verdicts:begin' in md and 'holds vs flow' in md and 'fails vs dance' in md
     assert 'dance matched' not in res['cells']  # section 1 found no eta within 10% for dance
     speed = res['comparisons']['5']
     assert speed['flow to 0.7']['mean'] > 0 and speed['dance to 0.7']['mean'] < 0  # sage faster than flow
@@ -103,3 +103,22 @@ def test_report_of_fabricated_cells(tmp_path):
     pytest.importorskip('matplotlib')  # the tables do not need it, the plots do
     for k in range(1, 6):
         assert (tmp_path / f'verdict_{k}.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_put_block_rewrites_only_its_block(tmp_path):
+    """The README writer every bench shares: its block is replaced, the hand-written text is not touched."""
+    import bench_cells as C
+    path = str(tmp_path / 'R.md')
+    C.put_block(path, 'bench_x', ['a', '', 'b'])  # no file yet: the block is the file
+    with open(path, 'a') as f:
+        f.write('hand-written\n')
+    C.put_block(path, 'bench_y', ['y'])  # absent: appended after the text
+    C.put_block(path, 'bench_x', ['new'])  # present: replaced in place
+    text = open(path).read()
+    assert text.index('new') < text.index('hand-written') < text.index('y\n') and 'a\n' not in text
+    assert C.get_block(path, 'bench_x') == ['new'] and C.get_block(path, 'bench_z') is None
+    assert '`python bench_x.py`' in text.split('\n')[0]  # the marker names the script to edit
+    before = text
+    for tag in ('bench_x', 'bench_y'):
+        C.put_block(path, tag, C.get_block(path, tag))
+    assert open(path).read() == before  # get then put: the file is unchanged
