@@ -1,6 +1,7 @@
 """
-Benchmarks of SAGE-GRPO: the samplers on the toy base model, the gradient proxy of the equalizer,
-training ablations on the toy world, the cost of an iteration, and HunyuanVideo 1.5 on paper.
+Benchmarks of SAGE-GRPO: the toy world and its default run, the samplers on the toy base model,
+the gradient proxy of the equalizer, training ablations on the toy world, the cost of an
+iteration, and HunyuanVideo 1.5 on paper.
 Writes results/bench.json, results/README.md (the tables) and results/*.png (if matplotlib is
 installed); every finished cell is cached as results/cells/<name>.json and skipped on a rerun
 (a cell whose toy base model has changed since is rerun).
@@ -16,6 +17,8 @@ Writes README.md's results block (between its bench:begin/end markers) from the 
 README never quotes a figure by hand.
 
 Sections (the numbers of the README's tables):
+ 0. the toy world: the base model's held-out ODE samples next to clean renders and pure noise, and
+    the default run `python train.py config/toy.py` (the README's first figures).
  1. samplers without training: per-step std of every kind in three treatments of the s = 1
     singularity (pure arithmetic from sde.variance), and SDE rollouts vs ODE samples of the same
     prompts and initial noise on the toy base model, at eta 0.5 and at matched exploration.
@@ -53,7 +56,7 @@ from configurator import configure
 # ----------------------------------------------------------------------------- settings
 out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
 quick = False                   # a reduced version of everything (<= 3 min on 2 cores)
-sections = '1,2,3,4,5'          # which sections to run
+sections = '0,1,2,3,4,5'        # which sections to run
 ablations = 'a,b,c,d,e,f,g,h'   # which parts of section 3 to run (the tables show every part already cached)
 threads = 1                     # torch CPU threads, here and in every train.py started (2 threads on a
                                 # shared 2-core machine run ~10x slower: OpenMP spin-waits)
@@ -119,6 +122,48 @@ def policy():
     if _policy is None:  # the base model, its dead ByT5 branch frozen as train.py loads it
         _policy = M.load_policy(toy.DIR, 'cpu').eval()
     return _policy
+
+
+# ============================================================================= 0. the toy world
+def section0():
+    """The README's toy-world figures: the base model's held-out ODE samples next to clean renders and
+    pure noise, and the default run `python train.py config/toy.py` (a cached cell)."""
+    def base():
+        net, seeds_ = toy.load_model(), 1 if quick else toy.EVAL_SEEDS
+        prompts = [p for p in toy.all_prompts() if toy.is_eval_prompt(p) for _ in range(seeds_)]
+        clean = torch.stack([toy.render(p, i) for i, p in enumerate(prompts)])
+        noise = toy.decode(torch.randn(len(prompts), *toy.LATENT_SHAPE, generator=torch.Generator().manual_seed(0)))
+        return {'rl': toy.evaluate(net, TOY['num_steps'], TOY['shift'], TOY['cfg'], seeds_),
+                'best': toy.evaluate(net, seeds=seeds_), 'clean': toy.summary(clean, prompts),
+                'noise': toy.summary(noise, prompts), 'seeds': seeds_}
+    b = cell('s0_base' + ('_quick' if quick else ''), base)
+    ov = dict(max_iters=1, prompts_per_iter=2, eval_every=1, save_every=0) if quick else {}
+    run = C.train('s0_default' + ('_quick' if quick else ''), ov)
+    log = open(os.path.join(toy.DIR, 'pretrain.log')).read().strip().split('\n')[-1]  # toy.py's last line
+    R['0'] = dict(base=b, run=run and dict(evals=run['evals'], wall=run['wall']), pretrain=log)
+    cols = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'colour+direction right')
+    fmt = lambda k, v: f'{100 * v:.0f}%' if k == 'colour+direction right' else f'{v:.3f}'
+    rows = [[f'base, {TOY["num_steps"]} steps, shift {TOY["shift"]:g}, cfg {TOY["cfg"]:g} (the RL setting)'] + [fmt(k, b['rl'][k]) for k in cols],
+            [f'base, {toy.EVAL_STEPS} steps, shift {toy.EVAL_SHIFT:g}, cfg {toy.EVAL_CFG:g}'] + [fmt(k, b['best'][k]) for k in cols],
+            ['clean renders / pure noise'] + [f'{fmt(k, b["clean"][k])} / {fmt(k, b["noise"][k])}' for k in cols]]
+    md = ['## 0. The toy world', '',
+          f'The base model (`python toy.py`: {log.replace("done: ", "")}); ODE samples of the 16 held-out prompts x '
+          f'{b["seeds"]} seeds; pure noise = decoded N(0, I) latents:', '',
+          table(['sampling', 'VQ', 'MQ', 'TA', 'composite', 'manifold dist.', 'colour and direction right'], rows), '']
+    if run is not None:
+        e = {r['iter']: r for r in run['evals']}
+        first, last = e[min(e)], e[max(e)]
+        mid = ' -> '.join(f'{e[i]["composite"]:.3f} (iteration {i})' for i in sorted(e)[1:])
+        md += [f'`python train.py config/toy.py` (sage, eta 0.5, equalizer, dual KL, '
+               f'{max(e)} iterations of {TOY["prompts_per_iter"]} prompts x G={TOY["group_size"]}, lr '
+               f'{TOY["learning_rate"]:.0e}, cfg {TOY["cfg"]:g}; {int(run["wall"]) // 60} min {int(run["wall"]) % 60} s here, '
+               f'one process): held-out composite (16 prompts x {TOY["eval_samples"]} seeds of train.py\'s own; iteration 0 '
+               f'is the base model) '
+               f'**{first["composite"]:.3f} -> {mid}**; TA {first["TA"]:.2f} -> {last["TA"]:.2f} (colour '
+               f'{first["colour"]:.2f} -> {last["colour"]:.2f}, direction {first["direction"]:.2f} -> '
+               f'{last["direction"]:.2f}), MQ {first["MQ"]:.2f} -> {last["MQ"]:.2f}, VQ {first["VQ"]:.2f} -> '
+               f'{last["VQ"]:.2f}, manifold distance {first["manifold"]:.3f} -> {last["manifold"]:.3f}.', '']
+    MD.extend(md)
 
 
 # ============================================================================= 1. samplers
@@ -649,7 +694,7 @@ def section5():
 
 # ============================================================================= main
 print(f'bench: out={out} quick={quick} sections={sections} model={MODEL_HASH}', flush=True)
-order = {'1': section1, '2': section2, '5': section5, '4': section4, '3': section3}  # cheap ones first
+order = {'0': section0, '1': section1, '2': section2, '5': section5, '4': section4, '3': section3}  # cheap ones first
 for k, fn in order.items():
     if k in sections.split(','):
         fn()
@@ -696,6 +741,8 @@ def readme_block():
     """The README's numbers, from this run's results: its block `bench`."""
     get = lambda k: by_num.get(k, [])
     out_ = ['']
+    if get('0'):  # the toy world: its base model and the default run
+        out_ += get('0')[2:]
     if get('2'):
         out_ += ['**Fig. 4** (bench section 2): measured ||d logp_t / d theta|| per step vs the proxy N_t; max/min '
                  'over steps of the per-step gradient norm without and with the equalizer\'s S_t (toy schedule; '
@@ -705,7 +752,7 @@ def readme_block():
                  'results/README.md): ' + ' '.join(l for l in get('1') if l.startswith('Manifold distance minus')), '']
     if R.get('3'):  # the ablation tables are long: results/README.md; the README quotes bench_verdicts.py's verdicts
         out_ += ['**Training ablations** (bench section 3: 15 iterations x 3 seeds of every switch, parts (a)-(h)): '
-                 'the tables and curves are in results/README.md; the paired 5-seed verdicts are the block above.', '']
+                 'the tables and curves are in results/README.md; the paired 5-seed verdicts are below.', '']
     if get('4'):
         out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
                 [l for l in get('4') if l.startswith('The transformer passes')] + ['']

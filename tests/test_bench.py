@@ -40,12 +40,16 @@ def quick(tmp_path_factory):
 def test_outputs_exist_and_are_finite(quick):
     with open(quick / 'bench.json') as f:
         res = json.load(f)
-    for section in ('1', '2', '3', '4', '5'):
+    for section in ('0', '1', '2', '3', '4', '5'):
         assert section in res, f'section {section} missing from bench.json'
-    nums = numbers({k: res[k] for k in ('1', '2', '3', '4', '5')})
+    nums = numbers({k: res[k] for k in ('0', '1', '2', '3', '4', '5')})
     assert len(nums) > 100 and all(math.isfinite(n) for n in nums)
     # the headline numbers are there and sane
     assert res['2']['stats']['sage']['ratio_eq'] < res['2']['stats']['sage']['ratio']  # S_t equalizes
+    base = res['0']['base']  # the toy world's references bracket the base model
+    assert base['noise']['composite'] < base['rl']['composite'] < base['clean']['composite'] == 2.0
+    assert base['clean']['manifold'] < 1e-3 < base['rl']['manifold'] < base['noise']['manifold']
+    assert [e['iter'] for e in res['0']['run']['evals']] == [0, 1]  # the default run, shortened
     assert res['4']['runs']['1 process']['peak_mem_gb_ranks'][0] > 0
     assert len(res['4']['runs']['FSDP 2 ranks']['peak_mem_gb_ranks']) == 2  # each rank's own peak
     assert res['4']['runs']['overhead']['ratio'] > 0
@@ -55,7 +59,7 @@ def test_outputs_exist_and_are_finite(quick):
 
 def test_markdown_tables(quick):
     md = (quick / 'README.md').read_text()
-    for head in ('## 1.', '## 2.', '## 3.', '## 4.', '## 5.', 'Overhead ratio', 'Matched exploration'):
+    for head in ('## 0.', '## 1.', '## 2.', '## 3.', '## 4.', '## 5.', 'Overhead ratio', 'Matched exploration'):
         assert head in md
     assert 'nan' not in md.lower().replace('nanogpt', '')
 
