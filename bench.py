@@ -156,7 +156,7 @@ def section0():
         mid = ' -> '.join(f'{e[i]["composite"]:.3f} (iteration {i})' for i in sorted(e)[1:])
         md += [f'`python train.py config/toy.py` (sage, eta 0.5, equalizer, dual KL, '
                f'{max(e)} iterations of {TOY["prompts_per_iter"]} prompts x G={TOY["group_size"]}, lr '
-               f'{TOY["learning_rate"]:.0e}, cfg {TOY["cfg"]:g}; {int(run["wall"]) // 60} min {int(run["wall"]) % 60} s here, '
+               f'{TOY["learning_rate"]:.0e}, cfg {TOY["cfg"]:g}; {int(run["wall"]) // 60} min {int(run["wall"]) % 60} s here on one CPU thread, '
                f'one process): held-out composite (16 prompts x {TOY["eval_samples"]} seeds of train.py\'s own; iteration 0 '
                f'is the base model) '
                f'**{first["composite"]:.3f} -> {mid}**; TA {first["TA"]:.2f} -> {last["TA"]:.2f} (colour '

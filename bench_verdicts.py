@@ -133,6 +133,8 @@ def verdict(ci):
     """The claim 'the reference is better' (ci of the reference's advantage, positive = better)."""
     if ci['n'] < 2:
         return 'too few seeds yet' if ci['n'] else 'not run'
+    if ci['lo'] == ci['hi'] == 0:  # every paired difference is exactly 0 (e.g. the same evaluation reached)
+        return 'tied on every seed'
     return 'holds' if ci['lo'] > 0 else 'fails' if ci['hi'] < 0 else 'cannot be told'
 
 
@@ -202,7 +204,7 @@ NO_CLAIM = {('sage', 'sage G=8')}  # what more samples give sage itself: measure
 
 def grouped(items):
     """[(other, verdict, interval)] -> 'holds vs a (..) and b (..); cannot be told vs c (..)'."""
-    order = ('holds', 'fails', 'cannot be told', 'too few seeds yet', 'not run')
+    order = ('holds', 'fails', 'cannot be told', 'tied on every seed', 'too few seeds yet', 'not run')
     return '; '.join(f'{w} vs ' + ' and '.join(f'{b} ({c})' if c != '-' else b for b, v, c in items if v == w)
                      for w in order if any(v == w for _, v, _ in items))
 

@@ -37,6 +37,14 @@ def test_t_quantile_matches_printed_tables():
         assert abs(bv.t975(df) - t) < 1e-3, (df, bv.t975(df), t)
 
 
+def test_verdict_words():
+    bv = load()
+    ci = lambda lo, hi, n=5: dict(n=n, lo=lo, hi=hi, mean=(lo + hi) / 2)
+    assert [bv.verdict(ci(0.1, 0.2)), bv.verdict(ci(-0.2, -0.1)), bv.verdict(ci(-0.1, 0.1)), bv.verdict(ci(0.0, 0.0)),
+            bv.verdict(ci(1.0, 1.0))] == ['holds', 'fails', 'cannot be told', 'tied on every seed', 'holds']
+    assert bv.verdict(ci(0.1, 0.2, n=1)) == 'too few seeds yet' and bv.verdict(ci(0, 0, n=0)) == 'not run'
+
+
 def test_interval_covers_the_true_mean_95_percent():
     bv = load()
     g = torch.Generator().manual_seed(0)
