@@ -737,6 +737,38 @@ def md_table(lines, header, nth=0):
     return lines[i:j] + ['']
 
 
+def findings():
+    """The README's findings from section 2 and the section-3 ablations, each sentence from their numbers."""
+    mean, sci = lambda xs: sum(xs) / len(xs), lambda x: f'{x:.0e}'.replace('e-0', 'e-').replace('e+00', '')
+    p3, st, out_ = R.get('3') or {}, (R.get('2') or {}).get('stats'), []
+    if st:
+        sl, rl, ra, re = ([v[k] for v in st.values()] for k in ('slope', 'r_log', 'ratio', 'ratio_eq'))
+        out_.append(f'- *Fig. 4*: for every sampler `||d logp_t / d theta||` tracks `N_t` (log-log slope {min(sl):.2f} '
+                    f'to {max(sl):.2f}, correlation of the logs at least {min(rl):.2f}); S_t brings the max/min of the '
+                    f'per-step gradient norms from {min(ra):.0f}-{max(ra):.0f}x down to at most {max(re):.2f}x.')
+    kls = [k for k in ('kl=fixed', 'kl=stepwise', 'kl=moving', 'kl=dual') if p3.get(k, {}).get('kl_grad_ratio')]
+    sweep = sorted((float(k.split('=')[1]), v) for k, v in p3.items() if k.startswith('kl_max=') and v['kl_grad_ratio'])
+    if kls and sweep and 'kl=none' in p3:
+        comp = [mean(p3[k]['composite']) for k in kls + ['kl=none']]
+        out_.append(f'- *The trust region at the released kl_max {sci(sweep[0][0])}* (part b): its gradient is at most '
+                    f'{sci(max(mean(p3[k]["kl_grad_ratio"]) for k in kls))} of the policy\'s (mean over iterations) and '
+                    f'every KL strategy, none included, ends at composite {min(comp):.4f}' +
+                    (f'-{max(comp):.4f}' if f'{min(comp):.4f}' != f'{max(comp):.4f}' else ' (all of them)') + '. Part (d), '
+                    'kl_max: KL gradient / policy gradient (composite): ' + ', '.join(
+                        f'{sci(x)}: {sci(mean(v["kl_grad_ratio"]))} ({mean(v["composite"]):.3f})' for x, v in sweep) + '.')
+    opts = {o: sorted((float(k.split('=')[1]), v) for k, v in p3.items() if k.startswith(o + ' lr=')) for o in ('adamw', 'muon')}
+    if all(opts.values()):
+        out_.append('- *Optimizer* (part f), composite by learning rate: ' + '; '.join(
+            f'{o}: ' + ', '.join(f'{sci(lr)} {pm(v["composite"])}' for lr, v in runs) for o, runs in opts.items()) + '.')
+    g = [p3.get(k) for k in ('project defaults', 'released: all three', 'prompt_noise=fixed')]
+    if all(g):
+        ours, rel, seed = (mean(v['composite']) for v in g)
+        out_.append(f'- *The released cadence, seeding and median* (part g): composite {rel:.4f} vs ours {ours:.4f} '
+                    f'(seed std {mean_std(g[0]["composite"])[1]:.3f}); initial noises fixed per prompt alone: {seed:.4f}' +
+                    (', so the gap is the seeding.' if abs(seed - rel) < abs(ours - rel) / 10 else '.'))
+    return out_
+
+
 def readme_block():
     """The README's numbers, from this run's results: its block `bench`."""
     get = lambda k: by_num.get(k, [])
@@ -750,9 +782,9 @@ def readme_block():
     if get('1'):  # the rollout tables: results/README.md section 1
         out_ += ['**Samplers** (bench section 1; the rollout tables at eta 0.5 and at matched exploration are in '
                  'results/README.md): ' + ' '.join(l for l in get('1') if l.startswith('Manifold distance minus')), '']
-    if R.get('3'):  # the ablation tables are long: results/README.md; the README quotes bench_verdicts.py's verdicts
-        out_ += ['**Training ablations** (bench section 3: 15 iterations x 3 seeds of every switch, parts (a)-(h)): '
-                 'the tables and curves are in results/README.md; the paired 5-seed verdicts are below.', '']
+    if findings():  # the ablation tables are long: results/README.md; the README quotes bench_verdicts.py's verdicts
+        out_ += ['**Findings** (bench section 2, and section 3: 15 iterations x 3 seeds of every switch, parts (a)-(h), '
+                 'its tables and curves in results/README.md; the paired 5-seed verdicts are below):', ''] + findings() + ['']
     if get('4'):
         out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
                 [l for l in get('4') if l.startswith('The transformer passes')] + ['']
