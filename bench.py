@@ -139,7 +139,8 @@ def section0():
     b = cell('s0_base' + ('_quick' if quick else ''), base)
     ov = dict(max_iters=1, prompts_per_iter=2, eval_every=1, save_every=0) if quick else {}
     run = C.train('s0_default' + ('_quick' if quick else ''), ov)
-    log = open(os.path.join(toy.DIR, 'pretrain.log')).read().strip().split('\n')[-1]  # toy.py's last line
+    with open(os.path.join(toy.DIR, 'pretrain.log')) as f:
+        log = f.read().strip().split('\n')[-1]  # toy.py's last line: steps, time, final loss
     R['0'] = dict(base=b, run=run and dict(evals=run['evals'], wall=run['wall']), pretrain=log)
     cols = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'colour+direction right')
     fmt = lambda k, v: f'{100 * v:.0f}%' if k == 'colour+direction right' else f'{v:.3f}'
@@ -782,9 +783,10 @@ def readme_block():
     if get('1'):  # the rollout tables: results/README.md section 1
         out_ += ['**Samplers** (bench section 1; the rollout tables at eta 0.5 and at matched exploration are in '
                  'results/README.md): ' + ' '.join(l for l in get('1') if l.startswith('Manifold distance minus')), '']
-    if findings():  # the ablation tables are long: results/README.md; the README quotes bench_verdicts.py's verdicts
+    found = findings()  # the ablation tables are long: results/README.md; the README quotes bench_verdicts.py's verdicts
+    if found:
         out_ += ['**Findings** (bench section 2, and section 3: 15 iterations x 3 seeds of every switch, parts (a)-(h), '
-                 'its tables and curves in results/README.md; the paired 5-seed verdicts are below):', ''] + findings() + ['']
+                 'its tables and curves in results/README.md; the paired 5-seed verdicts are below):', ''] + found + ['']
     if get('4'):
         out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
                 [l for l in get('4') if l.startswith('The transformer passes')] + ['']

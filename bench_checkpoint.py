@@ -372,7 +372,7 @@ def main():
         json.dump(dict(checkpoint=ck, prompt_cache=pc, markdown_checkpoint=ck_md, markdown_prompts=pc_md,
                        quick=quick), f, indent=1)
     if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
-        # the tables and how they were measured stay in results/checkpoint.md; the README quotes the verdicts
+        # the tables and how they were measured stay in results/checkpoint.md; the README quotes the headlines
         bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')]
         C.put_block('README.md', 'bench_checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
             f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
