@@ -558,7 +558,7 @@ def time_passes(cfg_run):
 
 
 OPT_WORKER = """
-import os, statistics, sys, time, json, torch, torch.distributed as dist
+import gc, os, statistics, sys, time, json, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
 import toy, model as M
 from optimizer import build
@@ -584,6 +584,8 @@ for kind in ('adamw', 'muon'):
 if not ddp or dist.get_rank() == 0:
     print('RESULT ' + json.dumps(res))
 if ddp:
+    del net  # free the FSDP state (it holds the group) first: see the end of train.py
+    gc.collect()
     dist.destroy_process_group()
 """
 

@@ -27,6 +27,7 @@ Prompt cache: 100 and 10,000 synthetic prompts of 2.2 MB (300 x 3584 bf16 Qwen e
 by prompt_cache.build (rank 0, chunk by chunk); a fresh process (one rank) opens the cache and reads
 64 prompts; the old single torch.save'd file is loaded whole where it fits in RAM.
 """
+import gc
 import json
 import os
 import subprocess
@@ -172,6 +173,8 @@ def worker(layers, heads, impl, phase, path, result):
         json.dump(r, f)
     if ddp:
         dist.barrier()
+        del model, anchor  # free the FSDP state (it holds the group) first: see the end of train.py
+        gc.collect()
         dist.destroy_process_group()
 
 

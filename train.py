@@ -32,6 +32,7 @@ Where this code knowingly differs from the paper or its released code:
 - credit='tvrl' (not in the paper; TVRL on top): each clip's log-prob is a credit-weighted mean over its
   latent tokens (credit.py) instead of the plain mean, in both the old and the new log-prob.
 """
+import gc
 import hashlib
 import json
 import os
@@ -505,4 +506,6 @@ if master and export_dtype and iter_num == max_iters:  # the aligned model, in t
 
 if ddp:
     dist.barrier()  # no rank tears gloo down while another still talks to it
+    del policy, anchor  # their FSDP state holds the process group: one freed after destroy_process_group
+    gc.collect()        # can abort the process on exit ('terminate called without an active exception')
     dist.destroy_process_group()
