@@ -4,6 +4,7 @@ Worker for tests/test_trust_region.py::test_anchor_fsdp2: the Anchor on a model 
 
     python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_anchor_worker.py
 """
+import gc
 import os
 import sys
 
@@ -39,9 +40,7 @@ def local_copy(model):
     return {n: p.to_local().clone() for n, p in model.named_parameters()}
 
 
-def main():
-    dist.init_process_group('gloo')
-    rank, world = dist.get_rank(), dist.get_world_size()
+def check(rank, world):
     mesh = init_device_mesh('cpu', (world,))
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Toy()
@@ -96,11 +95,18 @@ def main():
     anchor.maybe_refresh(model, 10)
     with anchor.applied(model):
         assert torch.equal(model(x), y_policy), 'anchor == policy after maybe_refresh'
+
+
+def main():
+    dist.init_process_group('gloo')
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check(rank, world)
     dist.barrier()
     print(f'rank {rank} of {world}: fsdp anchor ok', flush=True)
-    # skip the process-group teardown: on a loaded machine gloo's destructor sometimes aborts
-    # ('terminate called without an active exception') after every check has passed
-    os._exit(0)
+    # the sharded model is gone with check(): FSDP state still holding the gloo group after
+    # destroy_process_group() can abort the process on exit ('terminate called without an active exception')
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == '__main__':
