@@ -7,7 +7,7 @@ installed); every finished cell is cached as results/cells/<name>.json and skipp
 (a cell whose toy base model has changed since is rerun).
 
     python bench.py                          # everything; section 3 trains 3 seeds x ~40 distinct configs (hours)
-    python bench.py --quick                  # a reduced version, <= 3 min on 2 cores (tests/test_bench.py)
+    python bench.py --quick                  # a reduced version, <= 3 min on 2 cores, into /tmp/bench_quick
     python bench.py --sections=1,2,5         # some sections only
     python bench.py --ablations=a,b --seeds=5   # section 3, part of it, more seeds
     python bench.py --budget_min=40          # start no new training run after 40 minutes
@@ -42,6 +42,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -80,7 +81,8 @@ _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --section
          for a in sys.argv[1:]]
 config = configure(globals(), _argv)
 # -----------------------------------------------------------------------------
-if quick:  # every section, tiny: a smoke test of the whole bench
+if quick:  # every section, tiny: a smoke test of the whole bench, never over the committed results
+    out = os.path.join(tempfile.gettempdir(), 'bench_quick') if out == 'results' else out
     bench_prompts, search_iters, grad_clips, seeds, train_iters, cost_iters = 4, 2, 1, 1, 2, 2
     train_prompts_per_iter = 2
 torch.set_num_threads(threads)

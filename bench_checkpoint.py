@@ -8,7 +8,7 @@ reimplemented below from git history, f775d5f train.py save_checkpoint and its r
 
     python bench_checkpoint.py              # ~5 min on 2 cores; results/checkpoint.{md,json}, README block
     python bench_checkpoint.py --parts=      # no measurement: the report and README block from checkpoint.json
-    python bench_checkpoint.py --quick=True # the 20M config only (a smoke test)
+    python bench_checkpoint.py --quick=True # the 20M config only (a smoke test, into /tmp/bench_checkpoint_quick)
     python bench_checkpoint.py --parts=prompts   # one part again, the other keeps its last results
 
 Each measurement is a fresh child process (or 2 under torchrun): build the model, one AdamW step
@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -355,16 +356,19 @@ def bench_checkpoints():
 
 
 def main():
-    global PROMPT_COUNTS
-    if quick:
+    global PROMPT_COUNTS, out
+    if quick:  # a smoke test: never over the committed results
         PROMPT_COUNTS = (10, 100)
+        out = os.path.join(tempfile.gettempdir(), 'bench_checkpoint_quick') if out == 'results' else out
     prev = {}
     if os.path.exists(os.path.join(out, 'checkpoint.json')):
         with open(os.path.join(out, 'checkpoint.json')) as f:
             prev = json.load(f)
-    # --parts=prompts reruns one part; the other keeps its numbers and table from the last run
-    ck, ck_md = bench_checkpoints() if 'checkpoint' in parts else (prev['checkpoint'], prev['markdown_checkpoint'])
-    pc, pc_md = bench_prompt_cache() if 'prompts' in parts else (prev['prompt_cache'], prev['markdown_prompts'])
+    # --parts=prompts reruns one part; the other keeps its numbers and table from the last run (if any)
+    ck, ck_md = bench_checkpoints() if 'checkpoint' in parts or 'checkpoint' not in prev else \
+        (prev['checkpoint'], prev['markdown_checkpoint'])
+    pc, pc_md = bench_prompt_cache() if 'prompts' in parts or 'prompt_cache' not in prev else \
+        (prev['prompt_cache'], prev['markdown_prompts'])
     md = ck_md + pc_md
     os.makedirs(out, exist_ok=True)
     text = '\n'.join(md) + '\n'
