@@ -88,5 +88,6 @@ def main():
     gc.collect()
     dist.destroy_process_group()
 
+
 if __name__ == '__main__':
     main()
