@@ -1,7 +1,7 @@
 """
 The video model both worlds share: the diffusers HunyuanVideo 1.5 transformer (or the toy world's
 tiny one of the same class), FSDP2 sharding, cached prompt embeddings, the classifier-free-guided
-velocity, the sampling loop and the decoder to frames. train.py, sample.py and bench.py call these.
+velocity, the sampling loop and the decoder to frames. train.py, sample.py and bench/toy.py call these.
 
 A model directory is in diffusers layout: `<dir>/transformer/` for the policy, plus `vae/`,
 `text_encoder*/`, `tokenizer*/` and `model_index.json` for HunyuanVideo 1.5. A directory with only
@@ -104,7 +104,7 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
 
 
 def shard(model, cuda, mesh=None):
-    """FSDP2 as the trainer applies it (bench_fullsize.py measures this same layout)."""
+    """FSDP2 as the trainer applies it (bench/fullsize.py measures this same layout)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # fp32 master shards, bf16 compute and fp32 gradient reduce-scatter: an update of lr 1e-5
     # would vanish in the rounding of bf16 weights

@@ -60,7 +60,7 @@ def key(prompt):
 
 def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
     """Encode the prompts not yet in the cache at `path` (all, if it was built for another model).
-    encode_prompts: model.encode_prompts, or a stand-in with its signature (bench_checkpoint.py)."""
+    encode_prompts: model.encode_prompts, or a stand-in with its signature (bench/checkpoint.py)."""
     from safetensors.torch import save_file
     if encode_prompts is None:
         from model import encode_prompts

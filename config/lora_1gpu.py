@@ -1,6 +1,6 @@
 # HunyuanVideo 1.5 on one GPU: LoRA adapters instead of full fine-tuning (no FSDP).
 #   python train.py config/lora_1gpu.py
-# Fits one 80 GB GPU at the paper's rollout size: bench_fullsize.py measures a training micro-step
+# Fits one 80 GB GPU at the paper's rollout size: bench/fullsize.py measures a training micro-step
 # at 81x352x624 (bf16 frozen base, fp32 adapters, bf16 autocast, checkpointing, 8 stored clips) plus the resident
 # VAE and VideoAlign below 80 GB (results/fullsize.md, "LoRA r64 on one GPU").
 lora_rank = 64

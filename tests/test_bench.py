@@ -1,5 +1,5 @@
 """
-bench.py --quick end to end (~100 s alone on 2 cores): every section runs in its reduced form and writes
+bench/toy.py --quick end to end (~100 s alone on 2 cores): every section runs in its reduced form and writes
 finite numbers, the Markdown tables and (with matplotlib) the plots.
 
     python -m pytest tests/test_bench.py
@@ -31,7 +31,7 @@ def numbers(x):
 @pytest.fixture(scope='module')
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
-    p = subprocess.run([sys.executable, 'bench.py', '--quick', f'--out={out}'], cwd=ROOT,
+    p = subprocess.run([sys.executable, '-m', 'bench.toy', '--quick', f'--out={out}'], cwd=ROOT,
                        capture_output=True, text=True, timeout=360)  # ~100 s alone, more beside the suite's other worker
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out

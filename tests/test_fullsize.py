@@ -1,5 +1,5 @@
 """
-bench_fullsize.py: the fake-tensor estimate against a real CPU run of the same small config
+bench/fullsize.py: the fake-tensor estimate against a real CPU run of the same small config
 (peak resident memory of a fresh process), the fixed-order forward against diffusers' own, the
 attention stand-in's FLOPs and bytes against their closed forms, and the GPU check at tiny size.
 """
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-import bench_fullsize as bf
+from bench import fullsize as bf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a small transformer with ~0.9 GB of training state (fp32 params, grads, AdamW, anchor: 20 bytes
@@ -23,7 +23,7 @@ RUN = dict(what='train', Fr=9, H=256, W=384, world=0, attn='math', bf16=False, n
 
 def test_estimate_matches_a_real_cpu_run():
     est = bf.measure(SMALL, **RUN)
-    code = ('import json, bench_fullsize as bf; from tests.test_fullsize import SMALL, RUN; '
+    code = ('import json; from bench import fullsize as bf; from tests.test_fullsize import SMALL, RUN; '
             'r = bf.rss_run(SMALL, **RUN); print("RSS", r["rss_growth"])')
     # a fixed mmap threshold: glibc then returns every freed tensor to the OS at once, so the
     # resident-memory peak is the peak of live tensors, not of the allocator's cache
@@ -78,7 +78,7 @@ def test_gpu_attention_allocates_and_counts_what_the_kernel_does():
 
 def test_gpu_check_at_tiny_size_on_cpu():
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    out = subprocess.run([sys.executable, 'bench_fullsize.py', '--gpu', '--tiny', '--device=cpu'], cwd=ROOT,
+    out = subprocess.run([sys.executable, '-m', 'bench.fullsize', '--gpu', '--tiny', '--device=cpu'], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.split('CHECK_JSON ')[-1])

@@ -1,5 +1,5 @@
 """
-bench_verdicts.py's statistics and report, without training: the t quantile against printed tables,
+bench/verdicts.py's statistics and report, without training: the t quantile against printed tables,
 the interval's coverage by simulation, and the verdicts of a report written from fabricated cells
 whose answers are known (a paired effect that an unpaired comparison would miss, a reversed one and
 pure noise).
@@ -21,10 +21,10 @@ sys.path.insert(0, ROOT)
 
 
 def load():
-    """bench_verdicts' functions, without running its main (settings at their defaults)."""
-    argv, sys.argv = sys.argv, ['bench_verdicts.py']
+    """bench/verdicts.py's functions, without running its main (settings at their defaults)."""
+    argv, sys.argv = sys.argv, ['bench/verdicts.py']
     try:
-        import bench_verdicts
+        from bench import verdicts as bench_verdicts
     finally:
         sys.argv = argv
     return bench_verdicts
@@ -66,7 +66,7 @@ def fake_run(bc, base, shift, iters=60, every=5):
 
 def test_report_of_fabricated_cells(tmp_path):
     bv = load()
-    import bench_cells as bc
+    from bench import common as bc
     cells = tmp_path / 'cells'
     cells.mkdir()
     for k in ('flow', 'dance', 'cps'):  # section 1's matched-exploration cells, as committed
@@ -88,7 +88,7 @@ def test_report_of_fabricated_cells(tmp_path):
             run = fake_run(bc, 0.55 + spread[s], shift)
             with open(cells / f'{bv.name(ov, s)}.json', 'w') as f:
                 json.dump(run, f)
-    p = subprocess.run([sys.executable, 'bench_verdicts.py', '--run=False', f'--out={tmp_path}'], cwd=ROOT,
+    p = subprocess.run([sys.executable, '-m', 'bench.verdicts', '--run=False', f'--out={tmp_path}'], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / 'verdicts.json').read_text())
@@ -103,7 +103,7 @@ def test_report_of_fabricated_cells(tmp_path):
     assert bv.verdict(c1['sage vs dance']['composite']) == 'fails'
     assert bv.verdict(c1['sage vs dance']['manifold']) == 'fails'  # the mirrored manifold: lower is better
     md = (tmp_path / 'README.md').read_text()
-    assert '<!-- bench_verdicts:begin' in md and 'holds vs flow' in md and 'fails vs dance' in md
+    assert '<!-- bench.verdicts:begin' in md and 'holds vs flow' in md and 'fails vs dance' in md
     assert 'dance matched' not in res['cells']  # section 1 found no eta within 10% for dance
     speed = res['comparisons']['5']
     assert speed['flow to 0.7']['mean'] > 0 and speed['dance to 0.7']['mean'] < 0  # sage faster than flow
@@ -115,7 +115,7 @@ def test_report_of_fabricated_cells(tmp_path):
 
 def test_put_block_rewrites_only_its_block(tmp_path):
     """The README writer every bench shares: its block is replaced, the hand-written text is not touched."""
-    import bench_cells as C
+    from bench import common as C
     path = str(tmp_path / 'R.md')
     C.put_block(path, 'bench_x', ['a', '', 'b'])  # no file yet: the block is the file
     with open(path, 'a') as f:
@@ -125,7 +125,7 @@ def test_put_block_rewrites_only_its_block(tmp_path):
     text = open(path).read()
     assert text.index('new') < text.index('hand-written') < text.index('y\n') and 'a\n' not in text
     assert C.get_block(path, 'bench_x') == ['new'] and C.get_block(path, 'bench_z') is None
-    assert '`python bench_x.py`' in text.split('\n')[0]  # the marker names the script to edit
+    assert '`python -m bench_x`' in text.split('\n')[0]  # the marker names the script to edit
     before = text
     for tag in ('bench_x', 'bench_y'):
         C.put_block(path, tag, C.get_block(path, tag))

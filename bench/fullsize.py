@@ -3,12 +3,12 @@ HunyuanVideo 1.5 (8.3B) at full size without a GPU: per-GPU memory by category a
 training micro-step and one rollout forward, measured by torch on fake tensors (real shapes and
 dtypes, no storage), and a ready check for the day GPUs are at hand.
 
-    python bench_fullsize.py                           # the estimate -> results/fullsize.{md,json}, README block
-    python bench_fullsize.py --only=train & python bench_fullsize.py --only=rollout,lora; \
-        python bench_fullsize.py --reuse=True          # the same in two parallel parts, then assembled
-    python bench_fullsize.py --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance
-    torchrun --nproc_per_node=8 bench_fullsize.py --gpu   # all GPUs: a full fine-tune micro-step (FSDP2)
-    python bench_fullsize.py --gpu --tiny --device=cpu    # the check at tiny size on a CPU (tests/test_fullsize.py)
+    python -m bench.fullsize                           # the estimate -> results/fullsize.{md,json}, README block
+    python -m bench.fullsize --only=train & python -m bench.fullsize --only=rollout,lora; \
+        python -m bench.fullsize --reuse=True          # the same in two parallel parts, then assembled
+    python -m bench.fullsize --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance
+    torchrun --nproc_per_node=8 -m bench.fullsize --gpu   # all GPUs: a full fine-tune micro-step (FSDP2)
+    python -m bench.fullsize --gpu --tiny --device=cpu    # the check at tiny size on a CPU (tests/test_fullsize.py)
 
 How the estimate measures: the transformer is built from its config (data:
 assets/hunyuanvideo15_480p_t2v_transformer.json, the diffusers class defaults) on the meta device,
@@ -63,8 +63,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-import bench_cells as C
-from bench_cells import table
+from bench import common as C
+from bench.common import table
 from configurator import configure
 from model import IMAGE_TOKENS, _cat_text, shard
 from trust_region import Anchor
@@ -372,7 +372,7 @@ def rss_run(cfg, what, Fr, H, W, **kw):
 # ----------------------------------------------------------------------------- the estimate
 
 def formula(P, P_blk, P_txt, L, h, V, T):
-    """bench.py section 5's former formulas (bytes per GPU of 8; F: FLOPs of one CFG branch of one
+    """bench/toy.py section 5's former formulas (bytes per GPU of 8; F: FLOPs of one CFG branch of one
     clip), for the comparison; P_txt: a block's text-stream parameters."""
     S, P_img = V + T, P_blk - P_txt
     return dict(params=4 * P / 8, grads=4 * P / 8, optimizer=8 * P / 8, anchor=4 * P / 8, gathered=2 * 2 * P_blk,
@@ -456,18 +456,18 @@ def summary(out):
 
 
 def update_readme(out, path='README.md'):
-    C.put_block(path, 'bench_fullsize', [summary(out)])
+    C.put_block(path, 'bench.fullsize', [summary(out)])
 
 
 def report(out):
-    """results/fullsize.md: what the README and bench.py's section 5 quote."""
+    """results/fullsize.md: what the README and bench/toy.py's section 5 quote."""
     runs, extras, c = out['runs'], out['extras'], out['config']
     name = lambda r: (f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}: '
                       f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]}')
     g = lambda b: f'{b / GiB:.1f}'
     P = runs[0]['P']
     md = ['## HunyuanVideo 1.5 at full size: per-GPU memory and FLOPs, measured by torch', '',
-          f'Written by `python bench_fullsize.py` (torch {out["torch"]}, {sum(r["seconds"] for r in runs) / 60:.0f} min '
+          f'Written by `python -m bench.fullsize` (torch {out["torch"]}, {sum(r["seconds"] for r in runs) / 60:.0f} min '
           'of measuring on 2 shared CPU cores); raw numbers: '
           f'fullsize.json. Transformer: {P / 1e9:.3f} B parameters (`{c["model_config"]}`, the diffusers class defaults). '
           'Each run executes one training micro-step as train.py does (anchor forward without grad, policy forward with '
@@ -480,7 +480,7 @@ def report(out):
           'NCCL buffers, VAE/VideoAlign activations (their weights are: the VAE counted from its class, VideoAlign '
           f'taken as {c["videoalign_params"] / 1e9:.1f} B parameters). The method is checked against a real CPU run of '
           'a small config (tests/test_fullsize.py: peak resident memory within 25%). No GPU has confirmed these '
-          'numbers yet: `bench_fullsize.py --gpu` prints the measured values beside them.', '',
+          'numbers yet: `bench/fullsize.py --gpu` prints the measured values beside them.', '',
           '### Peak memory per GPU (GiB), by category, at the peak of each run', '']
     cats = list(runs[0]['categories'])
     rows = [[k] + [g(r['categories'][k]) for r in runs] for k in cats]
@@ -489,7 +489,7 @@ def report(out):
         rows.append([f'+ resident {k}'] + [g(v)] * len(runs))
     rows.append(['**total with resident extras**'] + [f'**{g(r["categories"]["total"] + sum(extras.values()))}**' for r in runs])
     md += [table(['GiB'] + [name(r) for r in runs], rows), '']
-    md += ['### Against bench.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
+    md += ['### Against bench/toy.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
     for r in [r for r in runs if r['world'] and r['what'] == 'train']:
         m, f = r['categories'], r['formula']
         rows = [['params fp32', g(m['params (fp32 master)']), g(f['params'])],

@@ -5,17 +5,17 @@ seed share the prompt order, the initial noises and the eval noises, so the per-
 two cells is far less noisy than either cell. Its 95% interval is the t interval over the seeds:
 mean(d) +- t_{0.975, n-1} * sd(d) / sqrt(n).
 
-    python bench_verdicts.py                    # every cell: 13 configs x 5 seeds x 60 iterations (~8 CPU-hours)
-    python bench_verdicts.py --budget_min=100   # start no new run after 100 min; rerun to go on (cells are cached)
-    python bench_verdicts.py --workers=2 --worker=1   # with --worker=0 beside it: 2 processes on 2 cores
-    python bench_verdicts.py --run=False        # only the report: tables, plots and claims from the cached cells
+    python -m bench.verdicts                    # every cell: 13 configs x 5 seeds x 60 iterations (~8 CPU-hours)
+    python -m bench.verdicts --budget_min=100   # start no new run after 100 min; rerun to go on (cells are cached)
+    python -m bench.verdicts --workers=2 --worker=1   # with --worker=0 beside it: 2 processes on 2 cores
+    python -m bench.verdicts --run=False        # only the report: tables, plots and claims from the cached cells
 
 Writes results/verdicts.md and .json, results/verdict_<k>.png, the verdicts section of
-results/README.md and the claims block of README.md (between their bench_verdicts markers).
+results/README.md and the claims block of README.md (between their bench.verdicts markers).
 
 The comparisons (reference: sage + equalizer + dual KL; config/toy.py otherwise, 8 prompts x G=4):
  1. sampler (the paper's Table 2): sage vs flow, dance, cps at eta 0.5; and vs flow and cps at the
-    eta that bench.py section 1 matched to sage's exploration (SDE std of clips sharing the noise).
+    eta that bench/toy.py section 1 matched to sage's exploration (SDE std of clips sharing the noise).
  2. equalizer (Fig. 3): on vs off, for sage and for flow.
  3. trust region (Fig. 8): dual vs moving vs none at kl_max 1, where the KL acts (bench part (d)),
     on composite, VQ, manifold distance and exploration (the within-group reward std).
@@ -38,8 +38,8 @@ import os
 
 import torch
 
-import bench_cells as C
-from bench_cells import table
+from bench import common as C
+from bench.common import table
 from configurator import configure
 
 # ----------------------------------------------------------------------------- settings
@@ -64,16 +64,16 @@ C.setup(out, threads, budget_min)
 REF = dict(sampler='sage', equalizer=True, kl_strategy='dual')
 TR = dict(kl_max=tr_kl_max, updates_per_iter=tr_updates)
 DUAL, MOVING, NONE = (f'{k} (kl_max {tr_kl_max:g}, {tr_updates} updates)' for k in ('dual', 'moving', 'none'))
-MATCH_CELL = 's1_matched_{}_p16_i6'  # written by `python bench.py --sections=1` (16 prompts, 6 bisection steps)
+MATCH_CELL = 's1_matched_{}_p16_i6'  # written by `python -m bench.toy --sections=1` (16 prompts, 6 bisection steps)
 
 
 def matched():
-    """{kind: (eta, sde_std, target)} of bench.py section 1's matched-exploration search."""
+    """{kind: (eta, sde_std, target)} of bench/toy.py section 1's matched-exploration search."""
     res = {}
     for kind in ('flow', 'dance', 'cps'):
         m = C.cached(MATCH_CELL.format(kind))
         if m is None:
-            raise SystemExit(f'{MATCH_CELL.format(kind)} is not cached in {out}/cells: run `python bench.py --sections=1`')
+            raise SystemExit(f'{MATCH_CELL.format(kind)} is not cached in {out}/cells: run `python -m bench.toy --sections=1`')
         res[kind] = (m['best']['eta'], m['best']['sde_std'], m['target'])
     return res
 
@@ -214,7 +214,7 @@ def report(cs):
     have = {k: sum(r is not None for r in v) for k, v in runs.items()}
     mean = lambda xs: sum(xs) / len(xs) if xs else float('nan')
     res = dict(config=config, cells={}, comparisons={}, claims=[])
-    md = ['## 6. Decisive verdicts: paired seeds (`python bench_verdicts.py`)', '',
+    md = ['## 6. Decisive verdicts: paired seeds (`python -m bench.verdicts`)', '',
           f'{iters} iterations of `train.py config/toy.py` ({prompts} prompts x G=4 = {4 * prompts} clips an iteration '
           f'unless stated), seeds 0..{seeds - 1}; held-out ODE evaluation (16 prompts x 2 seeds) every {eval_every} '
           f'iterations; a run\'s composite, VQ and manifold distance are the mean of its evaluations at iterations '
@@ -239,7 +239,7 @@ def report(cs):
            'mean within-group reward std over the run):',
            '', table(['cell', 'seeds', 'before', 'composite', 'VQ', 'MQ', 'TA', 'manifold', 'explore'], rows), '']
     m = matched()
-    md += ['Matched exploration (bench.py section 1): ' + '; '.join(
+    md += ['Matched exploration (bench/toy.py section 1): ' + '; '.join(
         f'{k} eta {e:.3f} (SDE std {sd:.3f} vs sage {t:.3f}{"" if abs(sd - t) <= match_tol * t else ": more than 10% off, not trained"})'
         for k, (e, sd, t) in m.items()) + '.', '']
     for k, title, claim, pairs, metrics in COMPARISONS:
@@ -350,18 +350,18 @@ def plots(runs, cs):
 
 if __name__ == '__main__':
     cs = cells()
-    print(f'bench_verdicts: {len(cs)} cells x {seeds} seeds x {iters} iterations; out={out}', flush=True)
+    print(f'bench.verdicts: {len(cs)} cells x {seeds} seeds x {iters} iterations; out={out}', flush=True)
     if run:
         train_all(cs)
     res, md, have = report(cs)
     missing = sum(seeds - n for n in have.values())
     note = [] if not missing else [f'**Incomplete**: {missing} of {seeds * len(cs)} runs are not cached yet; '
-                                   'rerun `python bench_verdicts.py` to go on.', '']
+                                   'rerun `python -m bench.verdicts` to go on.', '']
     with open(os.path.join(out, 'verdicts.json'), 'w') as f:
         json.dump(dict(res, have=have), f, indent=1)
     with open(os.path.join(out, 'verdicts.md'), 'w') as f:
         f.write('\n'.join(md[:1] + [''] + note + md[2:]) + '\n')
-    C.put_block(os.path.join(out, 'README.md'), 'bench_verdicts', md[:1] + [''] + note + md[2:])
+    C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', md[:1] + [''] + note + md[2:])
     if out == 'results' and os.path.exists('README.md'):
-        C.put_block('README.md', 'bench_verdicts', note + ['- ' + c for c in res['claims']])
+        C.put_block('README.md', 'bench.verdicts', note + ['- ' + c for c in res['claims']])
     print('\n'.join(res['claims']))

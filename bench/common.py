@@ -1,10 +1,10 @@
 """
-Cached cells of the benchmarks (bench.py, bench_verdicts.py): a finished measurement is one JSON file
+Cached cells of the benchmarks (bench/toy.py, bench/verdicts.py): a finished measurement is one JSON file
 <out>/cells/<name>.json stamped with the toy base model's hash. A rerun skips it (and reruns it if the
 base model has changed since); it is written atomically, so a bench killed at any moment resumes at
 the first cell it had not finished, and the cells are committed, so a long bench spans sessions.
 
-    import bench_cells as C
+    from bench import common as C
     C.setup(out='results', threads=1, budget_min=40)   # start no new training run after 40 minutes
     res = C.cell('s1_std', fn)                         # fn() once, then the cache
     run = C.train('v_sage_s0', dict(max_iters=60, seed=0))  # one `train.py config/toy.py` run, cached
@@ -87,8 +87,8 @@ def table(header, rows):
 
 
 def block_marks(tag):
-    """The markers of the generated block `tag` (the script tag.py writes it) in a Markdown file."""
-    return (f'<!-- {tag}:begin: written by `python {tag}.py`; edit that script, not this block -->',
+    """The markers of the generated block `tag` (the module tag, e.g. bench.toy, writes it) in a Markdown file."""
+    return (f'<!-- {tag}:begin: written by `python -m {tag}`; edit that script, not this block -->',
             f'<!-- {tag}:end -->')
 
 

@@ -6,12 +6,12 @@ Writes results/bench.json, results/README.md (the tables) and results/*.png (if 
 installed); every finished cell is cached as results/cells/<name>.json and skipped on a rerun
 (a cell whose toy base model has changed since is rerun).
 
-    python bench.py                          # everything; section 3 trains 3 seeds x ~40 distinct configs (hours)
-    python bench.py --quick                  # a reduced version, <= 3 min on 2 cores, into /tmp/bench_quick
-    python bench.py --sections=1,2,5         # some sections only
-    python bench.py --ablations=a,b --seeds=5   # section 3, part of it, more seeds
-    python bench.py --budget_min=40          # start no new training run after 40 minutes
-    python bench.py --sections=3 --ablations=f --reverse=True   # a second process, meeting the first halfway
+    python -m bench.toy                          # everything; section 3 trains 3 seeds x ~40 distinct configs (hours)
+    python -m bench.toy --quick                  # a reduced version, <= 3 min on 2 cores, into /tmp/bench_quick
+    python -m bench.toy --sections=1,2,5         # some sections only
+    python -m bench.toy --ablations=a,b --seeds=5   # section 3, part of it, more seeds
+    python -m bench.toy --budget_min=40          # start no new training run after 40 minutes
+    python -m bench.toy --sections=3 --ablations=f --reverse=True   # a second process, meeting the first halfway
 
 Writes README.md's results block (between its bench:begin/end markers) from the same numbers, so the
 README never quotes a figure by hand.
@@ -29,7 +29,7 @@ Sections (the numbers of the README's tables):
  4. cost of one toy iteration vs the transformer passes it must do; peak memory, 1 vs 2 ranks;
     one optimizer step (AdamW, Muon) per rank.
  5. HunyuanVideo 1.5 on 8 GPUs on paper: memory per GPU and FLOPs per GRPO iteration.
- 6. (bench_verdicts.py, its own script: its block of results/README.md is kept as it last wrote it)
+ 6. (bench/verdicts.py, its own script: its block of results/README.md is kept as it last wrote it)
     the paper's claims decided by paired seeds, 5 seeds x 60 iterations.
 
 Where this differs from the issue's wording, and why: the overhead ratio of section 4 times the
@@ -47,7 +47,7 @@ import time
 
 import torch
 
-import bench_cells as C
+from bench import common as C
 import equalizer
 import model as M
 import sde
@@ -407,7 +407,7 @@ def section2():
 
 # ============================================================================= 3. training ablations
 def run_train(name, overrides, nproc=1):
-    """One train.py run of section 3 or 4 -> its metrics (bench_cells.train). None if over the time budget."""
+    """One train.py run of section 3 or 4 -> its metrics (bench/common.py's train). None if over the time budget."""
     return C.train('s3_' + name, overrides, nproc)
 
 
@@ -662,11 +662,11 @@ def section4():
 
 # ============================================================================= 5. on paper
 def section5():
-    # the full-size numbers are measured by bench_fullsize.py (fake tensors, ~30 min on 2 cores; not
+    # the full-size numbers are measured by bench/fullsize.py (fake tensors, ~30 min on 2 cores; not
     # re-run here): its markdown block is quoted as written, never retyped
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'fullsize')
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'results', 'fullsize')
     if not os.path.exists(path + '.md'):
-        MD.extend(['## 5. HunyuanVideo 1.5 at full size', '', 'Run `python bench_fullsize.py` first.', ''])
+        MD.extend(['## 5. HunyuanVideo 1.5 at full size', '', 'Run `python -m bench.fullsize` first.', ''])
         return
     with open(path + '.md') as f:
         lines = f.read().rstrip().split('\n')
@@ -711,7 +711,7 @@ for line in MD:
         cur = line[3]
     by_num.setdefault(cur, []).append(line)
 head = ['# Benchmarks', '',
-        f'Written by `python bench.py{" --quick" if quick else ""}` ({time.strftime("%Y-%m-%d %H:%M")}, toy base model '
+        f'Written by `python -m bench.toy{" --quick" if quick else ""}` ({time.strftime("%Y-%m-%d %H:%M")}, toy base model '
         f'{MODEL_HASH}, torch {torch.__version__}, {threads} CPU threads). Raw numbers: bench.json; '
         'cached cells: cells/; plots: *.png.', '']
 prev = {}
@@ -722,11 +722,11 @@ if prev.get('model_hash') == MODEL_HASH and prev.get('config', {}).get('quick') 
     for k, lines in prev.get('markdown', {}).items():  # --sections=...: the others stay as last written
         if k not in by_num:
             by_num[k], R[k] = lines, prev.get(k)
-keep = C.get_block(os.path.join(out, 'README.md'), 'bench_verdicts')  # section 6: bench_verdicts.py's block
+keep = C.get_block(os.path.join(out, 'README.md'), 'bench.verdicts')  # section 6: bench/verdicts.py's block
 with open(os.path.join(out, 'README.md'), 'w') as f:
     f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
 if keep is not None:
-    C.put_block(os.path.join(out, 'README.md'), 'bench_verdicts', keep)
+    C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', keep)
 with open(os.path.join(out, 'bench.json'), 'w') as f:
     json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
 
@@ -787,19 +787,19 @@ def readme_block():
     if get('1'):  # the rollout tables: results/README.md section 1
         out_ += ['**Samplers** (bench section 1; the rollout tables at eta 0.5 and at matched exploration are in '
                  'results/README.md): ' + ' '.join(l for l in get('1') if l.startswith('Manifold distance minus')), '']
-    found = findings()  # the ablation tables are long: results/README.md; the README quotes bench_verdicts.py's verdicts
+    found = findings()  # the ablation tables are long: results/README.md; the README quotes bench/verdicts.py's verdicts
     if found:
         out_ += ['**Findings** (bench section 2, and section 3: 15 iterations x 3 seeds of every switch, parts (a)-(h), '
                  'its tables and curves in results/README.md; the paired 5-seed verdicts are below):', ''] + found + ['']
     if get('4'):
         out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
                 [l for l in get('4') if l.startswith('The transformer passes')] + ['']
-    if 'muon' in (R.get('5') or {}):  # the full-size table itself is bench_fullsize.py's own README block
+    if 'muon' in (R.get('5') or {}):  # the full-size table itself is bench/fullsize.py's own README block
         out_ += [l for l in get('5') if l.startswith('Muon (the released optimizer')] + ['']
     return out_
 
 
 if not quick and out == 'results' and os.path.exists('README.md'):
-    C.put_block('README.md', 'bench', readme_block())
+    C.put_block('README.md', 'bench.toy', readme_block())
     print('README.md: results block rewritten', flush=True)
 print(f'bench done in {time.time() - T_START:.0f}s: {out}/README.md', flush=True)

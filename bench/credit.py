@@ -1,7 +1,7 @@
 """
 Token-level credit (credit.py): what the extra reward backward costs, and what the credit maps look like.
 
-    python bench_credit.py        # ~2 min on one busy CPU core: results/credit_cost.md, results/credit_maps.png
+    python -m bench.credit        # ~2 min on one busy CPU core: results/credit_cost.md, results/credit_maps.png
 
 1. cost: the reward alone (no grad, as train.py's credit='none') vs reward.score_and_grad (forward with
    grad + one backward to the pixels, credit='tvrl'), wall time (median of `repeats`) and the memory
@@ -129,7 +129,7 @@ if __name__ == '__main__':
     picture()
     rows, md = cost()
     head = ['## Token-level credit: cost of the pixel gradient', '',
-            f'Written by `python bench_credit.py` ({time.strftime("%Y-%m-%d %H:%M")}, torch {torch.__version__}, '
+            f'Written by `python -m bench.credit` ({time.strftime("%Y-%m-%d %H:%M")}, torch {torch.__version__}, '
             '1 CPU thread on a shared 2-core machine; median of 3). Backward memory = tensors autograd saves '
             'for the backward + the float32 pixel gradient.', '']
     with open(os.path.join(out, 'credit_cost.md'), 'w') as f:

@@ -6,10 +6,10 @@ with this project's sharded checkpoints (checkpoint.py, DCP) and with the code t
 state gathered to rank 0 and pickled into one state.pt; on resume every rank torch.loads all of it:
 reimplemented below from git history, f775d5f train.py save_checkpoint and its resume block).
 
-    python bench_checkpoint.py              # ~5 min on 2 cores; results/checkpoint.{md,json}, README block
-    python bench_checkpoint.py --parts=      # no measurement: the report and README block from checkpoint.json
-    python bench_checkpoint.py --quick=True # the 20M config only (a smoke test, into /tmp/bench_checkpoint_quick)
-    python bench_checkpoint.py --parts=prompts   # one part again, the other keeps its last results
+    python -m bench.checkpoint              # ~5 min on 2 cores; results/checkpoint.{md,json}, README block
+    python -m bench.checkpoint --parts=      # no measurement: the report and README block from checkpoint.json
+    python -m bench.checkpoint --quick=True # the 20M config only (a smoke test, into /tmp/bench_checkpoint_quick)
+    python -m bench.checkpoint --parts=prompts   # one part again, the other keeps its last results
 
 Each measurement is a fresh child process (or 2 under torchrun): build the model, one AdamW step
 (random gradients) and an anchor: the training state is fp32 weights + 2 AdamW moments + anchor =
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-import bench_cells as C
+from bench import common as C
 
 # ----------------------------------------------------------------------------- settings
 out = 'results'                 # checkpoint.md and checkpoint.json go here
@@ -191,8 +191,8 @@ def measure(layers, heads, impl, nproc, name):
         result = os.path.join(work, f'{name}_{impl}_{nproc}_{phase}')
         launcher = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}'] \
             if nproc > 1 else [sys.executable]
-        cmd = launcher + [__file__, '--worker', json.dumps([layers, heads, impl, phase, path, result])]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        cmd = launcher + ['-m', 'bench.checkpoint', '--worker', json.dumps([layers, heads, impl, phase, path, result])]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if p.returncode:
             raise RuntimeError(f'{cmd} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}')
         res[phase] = [json.load(open(f'{result}.{r}')) for r in range(nproc)]
@@ -254,9 +254,9 @@ def bench_prompt_cache():
             kinds.append(('old', old))
         for kind, p in kinds:
             result = os.path.join(work, f'prompts_{n}_{kind}.json')
-            subprocess.run([sys.executable, __file__, '--prompt-worker', json.dumps([kind, p, n, PROMPT_READS, result])],
+            subprocess.run([sys.executable, '-m', 'bench.checkpoint', '--prompt-worker', json.dumps([kind, p, n, PROMPT_READS, result])],
                            check=True, env=dict(os.environ, OMP_NUM_THREADS='1', MALLOC_MMAP_THRESHOLD_=str(1 << 20)),
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             row[kind] = json.load(open(result))
         shutil.rmtree(path, ignore_errors=True)
         if os.path.exists(os.path.join(work, f'prompts_{n}.pt')):
@@ -315,7 +315,7 @@ def bench_checkpoints():
             g, g_other = max(fr) - 0.5, min(fr) - 0.5  # the worst rank (rank 0 gathers), the others
             ext[f'{impl} {phase}'] = dict(g=g, fitted_at=big, cpu_rank_gb=(1 / TARGET_N + g) * ST, host_rank_gb=g * ST,
                                           host_node_gb=(g + (TARGET_N - 1) * max(g_other, 0)) * ST)
-    md = ['## Checkpoint and resume cost (bench_checkpoint.py)', '',
+    md = ['## Checkpoint and resume cost (bench/checkpoint.py)', '',
           'Random HunyuanVideo15Transformer3DModel configs, fp32 training state = 16 bytes a parameter (weights, '
           'AdamW moments, anchor), on this machine\'s 2 CPU cores (gloo). `dcp`: checkpoint.py (each rank writes '
           'and reads its own shards); `old`: the code it replaced (gathered to rank 0, one pickle, every rank '
@@ -373,7 +373,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     text = '\n'.join(md) + '\n'
     with open(os.path.join(out, 'checkpoint.md'), 'w') as f:
-        f.write(f'<!-- written by python bench_checkpoint.py{" --quick" if quick else ""}, '
+        f.write(f'<!-- written by python -m bench.checkpoint{" --quick" if quick else ""}, '
                 f'{time.strftime("%Y-%m-%d %H:%M")}, torch {torch.__version__} -->\n' + text)
     with open(os.path.join(out, 'checkpoint.json'), 'w') as f:
         json.dump(dict(checkpoint=ck, prompt_cache=pc, markdown_checkpoint=ck_md, markdown_prompts=pc_md,
@@ -381,7 +381,7 @@ def main():
     if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
         # the tables and how they were measured stay in results/checkpoint.md; the README quotes the headlines
         bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')]
-        C.put_block('README.md', 'bench_checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
+        C.put_block('README.md', 'bench.checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
             f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
             f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) + '.',
             '', 'How these were measured, and every config: [results/checkpoint.md](results/checkpoint.md).'])
@@ -390,7 +390,6 @@ def main():
 
 if __name__ == '__main__':
     if len(sys.argv) > 2 and sys.argv[1] in ('--worker', '--prompt-worker'):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         (worker if sys.argv[1] == '--worker' else prompt_worker)(*json.loads(sys.argv[2]))
     else:
         from configurator import configure

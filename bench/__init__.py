@@ -1,0 +1,12 @@
+"""
+The experiments: one script per question, run from the repository root as modules.
+
+    python -m bench.toy          # the toy world: samplers, Fig. 4, ablations, cost (results/README.md)
+    python -m bench.verdicts     # paired-seed verdicts of the paper's claims (results/verdicts.md)
+    python -m bench.fullsize     # HunyuanVideo 1.5 at 8.3B: memory and FLOPs by fake tensors (results/fullsize.md)
+    python -m bench.checkpoint   # checkpoint save/resume and prompt-cache cost at three sizes
+    python -m bench.credit       # token-credit cost and maps (results/credit_cost.md)
+
+bench/common.py is their shared machinery (cached cells, README blocks, the train.py subprocess).
+The method never imports from here: bench/ imports the root, not the other way.
+"""
