@@ -23,7 +23,7 @@ import torch
 
 import checkpoint as checkpoint_lib
 import sde
-from configurator import configure
+from configurator import configure, number, one_of, prompt_or_file
 from model import batch_text, encode_prompts, generators, is_toy, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4
 
@@ -51,7 +51,8 @@ qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
 eval_metrics = ''               # visual metrics in the table too: 'clipscore,pickscore' (metrics.py)
 clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
 pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
-config = configure(globals())
+config = configure(globals(), rules=dict(  # configurator.RULES, and what differs here: ODE sampling, eta 0
+    sampler=one_of(*sde.KINDS), eta=number(0), prompts=(prompt_or_file, 'a prompt, or a .txt/.csv file of prompts')))
 # -----------------------------------------------------------------------------
 # the world's own defaults for what was left at None: the toy's (config/toy.py) or HunyuanVideo 480p's
 toy_world = is_toy(model)

@@ -50,7 +50,7 @@ import sde
 import toy  # plugs the toy world (its text encoder, decoder, latent shape) into model.py
 from configurator import configure
 from credit import credit_map
-from equalizer import MEDIANS, scales
+from equalizer import scales
 from loss import denominator, grpo_loss
 from optimizer import build as build_optimizers
 from model import batch_text, generators, latent_shape, load_decoder, load_policy, noise, \
@@ -128,18 +128,8 @@ lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of thi
 gradient_checkpointing = True   # recompute block activations in backward
 device = 'cuda'                 # 'cuda' or 'cpu'
 seed = 0
-config = configure(globals())
+config = configure(globals())  # also checks each value against configurator.RULES
 # -----------------------------------------------------------------------------
-
-KINDS, STRATEGIES = ('sage', 'flow', 'dance', 'cps'), ('none', 'fixed', 'stepwise', 'moving', 'dual')
-if sampler not in KINDS or kl_strategy not in STRATEGIES:
-    raise SystemExit(f'sampler must be one of {KINDS}, kl_strategy one of {STRATEGIES}')
-if credit not in ('none', 'tvrl'):
-    raise SystemExit(f"credit must be 'none' or 'tvrl', got {credit!r}")
-if kl_update not in ('step', 'backward') or prompt_noise not in ('fresh', 'fixed') or median not in MEDIANS:
-    raise SystemExit(f"kl_update must be 'step' or 'backward', prompt_noise 'fresh' or 'fixed', median one of {MEDIANS}")
-if group_size < 2:
-    raise SystemExit(f'group_size must be at least 2 (GRPO compares rollouts of a prompt), got {group_size}')
 
 # distributed setup: torchrun's environment, or one plain process
 ddp = 'RANK' in os.environ

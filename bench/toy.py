@@ -52,7 +52,7 @@ import equalizer
 import model as M
 import sde
 import toy
-from configurator import configure
+from configurator import configure, list_of
 
 # ----------------------------------------------------------------------------- settings
 out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
@@ -79,7 +79,7 @@ cost_iters = 4                  # iterations of the section-4 timing run (the fi
 _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --sections=1,2 stay strings
          f"{a.split('=')[0]}={a.split('=', 1)[1]!r}" if a.split('=')[0] in ('--sections', '--ablations') else a
          for a in sys.argv[1:]]
-config = configure(globals(), _argv)
+config = configure(globals(), _argv, rules=dict(sections=list_of(*'012345'), ablations=list_of(*'abcdefgh')))
 # -----------------------------------------------------------------------------
 if quick:  # every section, tiny: a smoke test of the whole bench, never over the committed results
     out = os.path.join(tempfile.gettempdir(), 'bench_quick') if out == 'results' else out
