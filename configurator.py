@@ -13,6 +13,8 @@ for train.py, sample.py and the benches alike, before the script loads or writes
 value is one line that names the setting, the value and what is allowed. A rule applies to every
 script that has a setting of that name; a script adds or narrows rules for its own settings with
 configure(globals(), rules=dict(sampler=one_of(*SAMPLERS, 'ode'))).
+
+Tested by: python -m pytest tests/test_configurator.py   (every rule through the real scripts)
 """
 import ast
 import os
@@ -76,7 +78,9 @@ RULES = dict(
     grad_clip=number(0, lo_open=True), lora_rank=number(0), max_iters=number(0),
     # I/O
     eval_every=number(0), eval_samples=number(1), eval_videos=number(0), save_every=number(0),
-    keep_checkpoints=number(1), diag_every=number(0), num_prompts=number(1), threads=number(1),
+    keep_checkpoints=number(1), diag_every=number(0), num_prompts=number(1),
+    # benches
+    threads=number(1), seeds=number(1), iters=number(1), workers=number(1),
 )
 
 
