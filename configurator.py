@@ -12,7 +12,7 @@ Then every setting is checked against RULES below, the one table of valid values
 for train.py, sample.py and the benches alike, before the script loads or writes anything: a bad
 value is one line that names the setting, the value and what is allowed. A rule applies to every
 script that has a setting of that name; a script adds or narrows rules for its own settings with
-configure(globals(), rules=dict(sampler=one_of(*SAMPLERS, 'ode'))).
+configure(globals(), rules=dict(sampler=one_of(*sde.KINDS)))  (sample.py: 'ode' too).
 
 Tested by: python -m pytest tests/test_configurator.py   (every rule through the real scripts)
 """
