@@ -133,6 +133,8 @@ def move(fns, device):
     evaluates (CLIP-L and PickScore are ~5.7 GB in fp32, which the update's peak need not carry)."""
     for fn in fns.values():
         fn.model.to(device)
+    if fns and torch.device(device).type == 'cpu' and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # their blocks back to the driver, not kept cached beside the update
 
 
 def load_metrics(names, clip_dir, pickscore_dir, device='cpu', dtype=torch.float32):

@@ -14,7 +14,7 @@ timings and memory are left out. What it pins:
   every rank runs the same number of forward batches (the ranks used to run 2 and 1: gloo aborted);
 - what the update does not need is freed before it, gradients after it (a 1-process run, checked from
   inside train.py at every rollout, evaluation and update).
-Cost: about 40 s per optimizer on 2 cores (a 1-process and a torchrun run), 15 s for the memory check.
+Cost: ~60 s of CPU time for the file (3 one-process and 2 torchrun runs of the toy); 1-2 min wall on 2 loaded cores.
 """
 import math
 
