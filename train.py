@@ -52,7 +52,7 @@ from configurator import configure
 from credit import credit_map
 from equalizer import scales
 from loss import denominator, grpo_loss
-from optimizer import build as build_optimizers
+from optimizer import build as build_optimizers, zero_grad
 from model import batch_text, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4, velocity
 from reward import combine, group_advantages, sample_indices, score_and_grad
@@ -210,8 +210,8 @@ text_cache = prompt_cache.PromptCache(cache_dir)
 # resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
 ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing)
-params = [p for p in policy.parameters() if p.requires_grad]
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW] or [AdamW]
+params = [p for o in optimizers for g in o.param_groups for p in g['params']]  # sharded under FSDP2 (optimizer.py)
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
 controller = KLController(lam_max=kl_max, target=kl_target, direction=kl_direction)
 decode = load_decoder(model, device)
@@ -221,8 +221,8 @@ else:
     from reward import load_videoalign
     reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
 try:  # frozen watchers for reward hacking, scored at held-out evaluation only
-    from metrics import load_metrics
-    visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, device)  # {name: score_fn}
+    from metrics import load_metrics, move as move_metrics  # on the CPU, on the GPU only in evaluate()
+    visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, 'cpu')  # {name: score_fn}
 except (OSError, ValueError) as e:
     raise SystemExit(f'eval_metrics: {e} (--eval_metrics= switches them off)')
 
@@ -258,8 +258,10 @@ def text_for(prompts):
 def evaluate():
     """ODE samples of the held-out prompts with fixed seeds; mean rewards over all ranks."""
     policy.eval()
+    move_metrics(visual, device)
     items = len(eval_list) * eval_samples  # item i: prompt i % len(eval_list), seed mix(seed, 'eval', i)
-    mine = list(range(rank, items, world))
+    # every rank runs as many batches (FSDP collectives): items padded to a multiple of world, i >= items dropped
+    mine = list(range(rank, -(-items // world) * world, world))
     rows = []
     for c in range(0, len(mine), rollout_batch):
         idx = mine[c:c + rollout_batch]
@@ -273,16 +275,18 @@ def evaluate():
         if manifold_distance is not None:
             sc['manifold'] = manifold_distance(frames)
         sc.update({k: fn(frames, prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
-        rows += [{k: float(v[j]) for k, v in sc.items()} for j in range(len(idx))]
+        rows += [(i, {k: float(v[j]) for k, v in sc.items()}) for j, i in enumerate(idx) if i < items]
         for j, i in enumerate(idx):
-            if master and i < eval_videos * world:
+            if master and i < min(items, eval_videos * world):
                 os.makedirs(os.path.join(out_dir, 'eval'), exist_ok=True)
                 save_mp4(frames[j], os.path.join(out_dir, 'eval', f'iter{iter_num:06d}_{i}.mp4'), fps)
     if ddp:
         parts = [None] * world
         dist.all_gather_object(parts, rows)
         rows = [r for p in parts for r in p]
+    rows = [r for _, r in sorted(rows, key=lambda r: r[0])]  # item order: the same means on any world size
     policy.train()
+    move_metrics(visual, 'cpu')
     return {k: torch.tensor([r[k] for r in rows]).nanmean().item() for k in rows[0]}  # NaN: unscored video
 
 
@@ -319,11 +323,12 @@ def grad_norm():
 
 
 def grad_norm_of(loss):
-    """Backward one loss alone and return its gradient's global norm (leaves .grad empty)."""
-    policy.zero_grad(set_to_none=True)
-    loss.backward()
+    """Backward rank 0's loss alone and return its gradient's global norm (leaves .grad empty). Every
+    rank runs the backward (FSDP's collectives), which averages over ranks: rank 0's counts world times."""
+    zero_grad(optimizers)
+    (loss * (world if master else 0)).backward()
     n = grad_norm()
-    policy.zero_grad(set_to_none=True)
+    zero_grad(optimizers)
     return n
 
 
@@ -368,6 +373,7 @@ while iter_num < max_iters:
         latents.append(x)
     clips = {k: torch.cat([r[k] for r in traj]) for k in traj[0]}  # xs (n, N+1, C, F, h, w), ...
     clips['prompts'] = prompts
+    del traj, rec, x  # torch.cat copied them: one copy of the rollout tensors lives through the update
     t1 = time.time()
 
     # ---- reward: decode and score in memory
@@ -383,6 +389,7 @@ while iter_num < max_iters:
     else:
         scores = reward_fn(frames, prompts, fps)
     r_local = combine(scores, reward_weights).float().to(device)   # (n,)
+    del frames, latents  # the update needs neither (the final latents are clips['xs'][:, -1])
     t2 = time.time()
 
     # ---- advantage: over each whole group, even when it spans ranks; a NaN reward drops that member
@@ -398,7 +405,7 @@ while iter_num < max_iters:
     clips['valid'] = valid.flatten()[rank * n_local:(rank + 1) * n_local].float()
 
     # ---- diagnostics: gradient norm of one clip's policy loss at the first and last trained step
-    diag = {} if credit == 'none' else {'credit_peak': clips['credit'].flatten(1).amax(1).mean().item()}  # mean max weight
+    diag = {} if credit == 'none' else {'credit_peak': mean_all(clips['credit'].flatten(1).amax(1).mean())}  # mean max weight
     if diag_every and iter_num % diag_every == 0:
         b = [0]
         for name, t in (('first', trained_steps[0]), ('last', trained_steps[-1])):
@@ -420,7 +427,7 @@ while iter_num < max_iters:
     chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
     bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
     for chunk in chunks:
-        policy.zero_grad(set_to_none=True)
+        zero_grad(optimizers)  # never policy.zero_grad() under FSDP2 (optimizer.py)
         mbs = [chunk[i:i + train_batch] for i in range(0, len(chunk), train_batch)]
         denom = denominator(valid.sum().item(), n_train, world, len(chunks))  # FSDP averages over ranks
         kl_chunk = []
@@ -442,6 +449,7 @@ while iter_num < max_iters:
         stats['grad_norm'] += float(gn.full_tensor() if isinstance(gn, DTensor) else gn) / len(chunks)
         for o in optimizers:
             o.step()
+        zero_grad(optimizers)  # freed now: gradients do not live through the next rollout and eval
         opt_steps += 1
         # ---- anchor and lambda_KL: once per optimizer step, from the KL observed over all ranks
         if kl_update == 'step':
@@ -455,7 +463,7 @@ while iter_num < max_iters:
     rs = torch.cat([gather(scores[k].float().to(device)) for k in ('VQ', 'MQ', 'TA')]).view(3, -1)
     mem = gather(torch.tensor([torch.cuda.max_memory_allocated() if 'cuda' in str(device) else  # bytes, per rank
                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], device=device)) / 2 ** 30
-    row = dict(iter=iter_num, loss=mean_all(stats['loss']) * world, reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
+    row = dict(iter=iter_num, loss=mean_all(stats['loss']), reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
                MQ=torch.nanmean(rs[1]).item(), TA=torch.nanmean(rs[2]).item(),
                group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
                nan_rewards=int((~valid).sum()), kl_pos=mean_all(stats['kl_pos']), kl_vel=mean_all(stats['kl_vel']),
