@@ -190,3 +190,74 @@ def test_window_on_two_ranks(tmp_path):
         torchrun=True, env={'RECORD': rec})
     check_window(rec, 3, world=2)
     assert logged(out) == [hand_count(k, 1, world=2, n_train=3) for k in (1, 2)]  # summed over both ranks
+
+
+def load_bench():
+    """bench/compute.py's functions, without running its main (settings at their defaults)."""
+    import sys
+    argv, sys.argv = sys.argv, ['bench/compute.py']
+    try:
+        from bench import compute
+    finally:
+        sys.argv = argv
+    return compute
+
+
+def test_bench_formula_is_train_py_count(tmp_path):
+    # bench/compute.py's passes per iteration (the user's table at full size comes from it) == train.py's own
+    # count, per iteration, in a run with a window, CFG 2 and timestep_fraction 0.5 on 2 of 4 steps
+    bc = load_bench()
+    out = str(tmp_path / 'f')
+    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--sde_window=3', '--cfg=2.0', '--save_every=0'])
+    s = dict(num_steps=N, shift=SHIFT, eta=ETA, sampler='sage', cfg=2.0, sde_window=3, timestep_fraction=0.5)
+    p, n_train = bc.passes_per_iter(s, 4)
+    assert n_train == 2 and {k: logged(out)[0][k] for k in p} == p
+
+
+def fake(bc, label, s, fn, iters=40, every=5, per_iter=1000):
+    """A cached cell of setting `label`, seed s: held-out composite fn(passes) every `every` iterations,
+    per_iter forward-equivalent training passes an iteration (all of them rollout forwards)."""
+    ov = bc.plan()[label][0]
+    rows = [dict(iter=k, reward=0.5, **{f'passes_{x}': (per_iter * k if x == 'rollout' else 0) for x in bc.TRAINING})
+            for k in range(1, iters + 1)]
+    evals = [dict(iter=i, composite=fn(per_iter * i)) for i in range(0, iters + 1, every)]
+    cell = dict(overrides=ov, iters=rows, evals=evals, before=evals[0], final=evals[-1], model_hash=bc.C.MODEL_HASH)
+    with open(os.path.join(bc.C.OUT, 'cells', bc.name(ov, s) + '.json'), 'w') as f:
+        json.dump(cell, f)
+
+
+def test_bench_verdicts_of_fabricated_curves(tmp_path):
+    bc = load_bench()
+    bc.C.setup(str(tmp_path), 1, 0.0)
+    P, spread = 40000.0, [0.0, 0.1, -0.05, 0.03, -0.08]  # the default's passes; seeds differ far more than settings
+    g = torch.Generator().manual_seed(0)
+    for s in range(5):
+        base = 0.5 + spread[s]
+        fake(bc, bc.DEFAULT, s, lambda x: base + 0.2 * x / P)
+        fake(bc, 'timestep_fraction 0.5', s, lambda x: base + 0.2 * min(1.0, 4 * x / P))  # 4x as fast, then flat
+        fake(bc, 'timestep_fraction 0.25', s, lambda x: base + 0.1 * x / P)  # half as fast: never gets there
+        noise = 0.03 * torch.randn(1, generator=g).item()
+        fake(bc, 'sde_window 2', s, lambda x: base + 0.2 * x / P + noise * x / P)  # as good, give or take
+    runs = {k: [bc.C.cached(bc.name(bc.plan()[k][0], s)) for s in range(5)] for k in bc.SETTINGS}
+    res = bc.compare(runs)
+    # by hand: the default's target is the mean of its last 3 evaluations, 0.5 + 0.2 (30 + 35 + 40) / 120 = 0.675;
+    # the fast curve's trailing means at 15k and 20k passes are 0.5 + 0.2 (1/2 + 1 + 1) / 3 and 0.7: it crosses
+    # 0.675 at 15000 + 5000 (0.675 - 0.6667) / (0.7 - 0.6667) = 16250; the default itself only at its end, 40000
+    fast = res['timestep_fraction 0.5']
+    assert fast['ratio']['mean'] == pytest.approx(16250 / 40000, rel=1e-6) and fast['reached'] == 5
+    assert fast['verdict'] == "reaches the default's quality with <= 0.5x the passes"
+    assert fast['diff']['mean'] == pytest.approx(0.7 - 0.675, abs=1e-9)  # at equal passes: flat at 0.7
+    slow = res['timestep_fraction 0.25']
+    assert slow['verdict'] == 'worse' and slow['reached'] == 0 and slow['ratio']['mean'] == pytest.approx(1.0)
+    assert res['sde_window 2']['verdict'] == 'cannot be told'
+    assert res['sde_window 4']['verdict'] == 'not run'
+    # the report: files, the README blocks, the user's table (the default at full size: bench/fullsize.md's 0.19 h)
+    import subprocess, sys
+    p = subprocess.run([sys.executable, '-m', 'bench.compute', '--run=False', f'--out={tmp_path}'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (tmp_path / 'README.md').read_text()
+    assert '<!-- bench.compute:begin' in md and '**Incomplete**: 10 of 30 runs' in md
+    assert "| default (every step) | timestep_fraction=1.0 | 20/20 | 1280/1280/1280 | 1.51 | 0.189 |" in md
+    full = json.loads((tmp_path / 'compute.json').read_text())['full']
+    assert full['sde_window 2']['passes'] == dict(rollout=32 * 20 * 2, anchor=32 * 4 * 2, update=32 * 4 * 2)
