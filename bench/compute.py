@@ -1,7 +1,8 @@
 """
 Alignment per unit of compute: which savings keep the quality, on equal compute, with paired seeds.
 
-    python -m bench.compute                      # every cell: 6 settings x 5 seeds, each run to the default's compute
+    python -m bench.compute                      # every cell: 6 settings x 5 seeds, each to the default's compute
+                                                 # (not yet run; estimated ~6-7 CPU-hours: 30 runs of ~13 min)
     python -m bench.compute --budget_min=100     # start no new run after 100 min; rerun to go on (cells are cached)
     python -m bench.compute --workers=2 --worker=1   # with --worker=0 beside it: 2 processes on 2 cores
     python -m bench.compute --run=False          # only the report, from the cached cells
@@ -15,6 +16,8 @@ What it compares (config/toy.py, 16 prompts x G=4, sage + equalizer + dual KL): 
 every stochastic step of every clip trained (`timestep_fraction=1.0`; the "default" below), against
 `timestep_fraction` 0.5 and 0.25, `sde_window` 2 and 4 (sde.window: ODE rollouts but for a random
 window, only its steps trained) and 5 rollout steps instead of 10 (held-out evaluation still at 10).
+On the toy's 10 steps timestep_fraction 0.25 trains round(2.5) = 2 steps a clip (Python rounds half to
+even), as many as sde_window 2: the two differ in which steps (any 2, or 2 neighbours with ODE around).
 Compute is train.py's own count of transformer passes (metrics.jsonl passes_*), rollout + anchor +
 update, in forward-equivalents: a forward+backward counts as its full-size FLOPs over a forward's
 (4.3x, bench/fullsize.gpu_hours; evaluation and diagnostics apart, and diagnostics off here). Every
@@ -77,7 +80,11 @@ quick = False           # a smoke test: tiny runs, 2 seeds, into the temp folder
 config = configure(globals(), [a + '=True' if a == '--quick' else a for a in sys.argv[1:]]
                    if __name__ == '__main__' else [])
 # -----------------------------------------------------------------------------
-TOY = dict(num_steps=10, cfg=1.0, group_size=4, shift=3.0, eta=0.5, sampler='sage')  # config/toy.py's
+FULL = dict(num_steps=20, cfg=6.0, shift=5.0, eta=0.5, sampler='sage', group_size=4, prompts_per_iter=8)  # train.py's
+_toy = {}
+with open('config/toy.py') as _f:
+    exec(_f.read(), {}, _toy)  # the toy's settings (a config file: plain assignments)
+TOY = dict(FULL, **{k: v for k, v in _toy.items() if k in FULL})
 EXTRA = {}  # more train.py overrides of every run (--quick: tiny ones)
 if quick:
     out = os.path.join(tempfile.gettempdir(), 'bench_compute_quick') if out == 'results' else out
@@ -101,7 +108,6 @@ SETTINGS = {
                         dict(timestep_fraction=1.0, num_steps=10, eval_steps=20)),
 }
 DEFAULT = 'default (every step)'
-FULL = dict(num_steps=20, cfg=6.0, shift=5.0, eta=0.5, sampler='sage', clips=32)  # train.py's defaults
 TRAINING = ('rollout', 'anchor', 'update')  # the passes that train; evaluation and diagnostics apart
 
 
@@ -227,7 +233,7 @@ def user_table(cmp):
     rows, res = [], {}
     for k, (_, full) in SETTINGS.items():
         s = dict(FULL, **full)
-        p, n_train = passes_per_iter(s, FULL['clips'])
+        p, n_train = passes_per_iter(s, FULL['prompts_per_iter'] * FULL['group_size'])
         h = gpu_hours(p)
         res[k] = dict(full_settings=full, passes=p, n_train=n_train, gpu_hours_iter=h,
                       gpu_hours_run=h * full_iters, days_run=h * full_iters / full_gpus / 24)
@@ -243,6 +249,8 @@ def user_table(cmp):
 
 
 def plots(runs, cmp):
+    if not any(r for rs in runs.values() for r in rs):  # nothing cached yet: no empty figure
+        return
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -250,21 +258,22 @@ def plots(runs, cmp):
     except ImportError:
         return
     fig, axs = plt.subplots(1, 2, figsize=(11, 3.8))
-    for k in SETTINGS:
+    for i, k in enumerate(SETTINGS):
+        color = plt.cm.tab10(i)  # a setting has one colour in both panels
         rs = [r for r in runs[k] if r]
         if not rs:
             continue
         cvs = [curve(r) for r in rs]
         xs = sorted({x for cv in cvs for x, _ in cv})
         axs[0].plot(xs, [sum(at(cv, x) for cv in cvs) / len(cvs) for x in xs], marker='.', label=f'{k} ({len(rs)})',
-                    lw=2 if k == DEFAULT else 1)
+                    lw=2 if k == DEFAULT else 1, color=color)
         ss = cmp[k]['seeds']
         if k != DEFAULT and len(ss) > 1:
             budget = min(curve(runs[DEFAULT][s])[-1][0] for s in ss)
             grid = [budget * i / 20 for i in range(1, 21)]
             cis = [paired([at(curve(runs[k][s]), x) for s in ss], [at(curve(runs[DEFAULT][s]), x) for s in ss]) for x in grid]
-            axs[1].plot(grid, [c['mean'] for c in cis], label=k)
-            axs[1].fill_between(grid, [c['lo'] for c in cis], [c['hi'] for c in cis], alpha=0.15)
+            axs[1].plot(grid, [c['mean'] for c in cis], label=k, color=color)
+            axs[1].fill_between(grid, [c['lo'] for c in cis], [c['hi'] for c in cis], alpha=0.15, color=color)
     axs[0].set(xlabel='training passes (forward-equivalents)', ylabel='held-out composite (mean over seeds)',
                title=f'smoothed over {smooth} evaluations')
     axs[1].axhline(0, color='k', lw=0.8)
@@ -327,7 +336,10 @@ if __name__ == '__main__':
     C.put_block(os.path.join(out, 'README.md'), 'bench.compute', md)
     if out == 'results' and os.path.exists('README.md'):  # the short block: verdicts in one line each, the table
         C.put_block('README.md', 'bench.compute', note + [
-            '- ' + '; '.join(f'**{k}**: {c["verdict"]}' for k, c in cmp.items() if k != DEFAULT) + '.', '', user])
+            '- Toy verdicts at equal passes vs every step trained: ' +
+            '; '.join(f'**{k}**: {c["verdict"]}' for k, c in cmp.items() if k != DEFAULT) + '.',
+            f'- At full size, an estimate: FLOPs per pass measured at 352x624 (bench/fullsize.py), at an assumed '
+            f'{TFLOPS:.0f} TFLOP/s sustained per GPU; 32 clips an iteration; diagnostics and evaluation apart.', '', user])
     for k, c in cmp.items():
         print(f'{k}: {c["verdict"]}')
     print(f'wrote {out}/compute.md, compute.json, compute.png, README blocks')
