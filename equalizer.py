@@ -17,7 +17,7 @@ With an SDE window (sde.window) only the window's steps are trained: the median 
 Where this differs from the released code: the median of an even number of steps is numpy's (the
 mean of the two middle values, SPEC's 0.1667); median='lower' gives the released torch.median.
 
-Tested by: python -m pytest tests/test_equalizer.py
+Tested by: python -m pytest tests/test_equalizer.py (over a window: tests/test_compute.py)
 """
 
 import torch

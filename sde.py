@@ -28,7 +28,7 @@ Where this differs from the paper and why:
 - optional (not in the paper; Flow-GRPO-Fast, MixGRPO): window() makes only a window of w consecutive
   steps stochastic (and trained); the rollout takes ODE steps (kind 'ode') everywhere else.
 
-Tested by: python -m pytest tests/test_sde.py
+Tested by: python -m pytest tests/test_sde.py (the window: tests/test_compute.py)
 """
 import math
 from typing import NamedTuple

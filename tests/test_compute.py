@@ -7,8 +7,9 @@ Counting the work and the SDE window (issue 24). python -m pytest tests/test_com
   with a window, only its steps are trained and step t's loss is scaled by S_t of that very step,
   the median over the window (recorded at loss.grpo_loss, computed here from SPEC's formulas);
   the logged transformer passes equal a hand count from the settings, across a resume, and on 2
-  ranks under torchrun (gloo), where both ranks train the same window.
-Cost: about 2 minutes on 2 busy cores (six short train.py runs, one under torchrun).
+  ranks under torchrun (gloo), where both ranks train the same window; bench/compute.py's formula
+  for the passes of a setting equals that count; its verdicts on fabricated curves with known answers.
+Cost: ~3 min on 2 cores under a load of ~14 (five short train.py runs, one under torchrun); less when idle.
 """
 import json
 import math
@@ -127,6 +128,24 @@ def logged(out):
     return [{k[7:]: v for k, v in r.items() if k.startswith('passes_')} for r in metrics(out) if 'reward' in r]
 
 
+def check_formula(rows, settings):
+    """bench/compute.py's passes per iteration (the user's full-size table comes from it) == train.py's count."""
+    p, _ = load_bench().passes_per_iter(dict(dict(num_steps=N, shift=SHIFT, eta=ETA, sampler='sage', cfg=1.0), **settings), 4)
+    for before, after in zip([dict.fromkeys(p, 0)] + rows, rows):
+        assert {k: after[k] - before[k] for k in p} == p
+
+
+def load_bench():
+    """bench/compute.py's functions, without running its main (settings at their defaults)."""
+    import sys
+    argv, sys.argv = sys.argv, ['bench/compute.py']
+    try:
+        from bench import compute
+    finally:
+        sys.argv = argv
+    return compute
+
+
 def test_full_window_is_bitwise_today(tmp_path):
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
     run(SMALL + [f'--out_dir={a}', '--max_iters=2'])
@@ -138,6 +157,7 @@ def test_full_window_is_bitwise_today(tmp_path):
     assert ra == rb and len(ra) == 4  # iteration 0's evaluation, 2 iterations, the last evaluation
     # the toy's timestep_fraction 0.5 of 4 steps: 2 trained a clip; evaluations at iterations 0 and 2 (logged after)
     assert logged(a) == [hand_count(1, 1), hand_count(2, 1)]
+    check_formula(logged(a), dict(timestep_fraction=0.5))
 
 
 def check_window(rec, w, world=1):
@@ -181,6 +201,7 @@ def test_window_trains_only_its_steps_with_their_own_scales_and_counts_survive_r
     # of the first run (2) are in the resumed run's iteration 3, the one at its end (3) comes after
     kw = dict(n_train=2, cfg=2.0)
     assert logged(out) == [hand_count(1, 1, **kw), hand_count(2, 1, **kw), hand_count(3, 2, **kw)]
+    check_formula(logged(out), dict(sde_window=2, cfg=2.0))
 
 
 def test_window_on_two_ranks(tmp_path):
@@ -190,28 +211,6 @@ def test_window_on_two_ranks(tmp_path):
         torchrun=True, env={'RECORD': rec})
     check_window(rec, 3, world=2)
     assert logged(out) == [hand_count(k, 1, world=2, n_train=3) for k in (1, 2)]  # summed over both ranks
-
-
-def load_bench():
-    """bench/compute.py's functions, without running its main (settings at their defaults)."""
-    import sys
-    argv, sys.argv = sys.argv, ['bench/compute.py']
-    try:
-        from bench import compute
-    finally:
-        sys.argv = argv
-    return compute
-
-
-def test_bench_formula_is_train_py_count(tmp_path):
-    # bench/compute.py's passes per iteration (the user's table at full size comes from it) == train.py's own
-    # count, per iteration, in a run with a window, CFG 2 and timestep_fraction 0.5 on 2 of 4 steps
-    bc = load_bench()
-    out = str(tmp_path / 'f')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--sde_window=3', '--cfg=2.0', '--save_every=0'])
-    s = dict(num_steps=N, shift=SHIFT, eta=ETA, sampler='sage', cfg=2.0, sde_window=3, timestep_fraction=0.5)
-    p, n_train = bc.passes_per_iter(s, 4)
-    assert n_train == 2 and {k: logged(out)[0][k] for k in p} == p
 
 
 def fake(bc, label, s, fn, iters=40, every=5, per_iter=1000):
