@@ -29,6 +29,8 @@ Where this code knowingly differs from the paper or its released code:
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
   updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
+- sde_window=w (not in the paper; Flow-GRPO-Fast's random window, sde.window): rollouts take ODE steps
+  but for w consecutive stochastic ones, the only steps trained; S_t's median is over those.
 - credit='tvrl' (not in the paper; TVRL on top): each clip's log-prob is a credit-weighted mean over its
   latent tokens (credit.py) instead of the plain mean, in both the old and the new log-prob.
 """
@@ -53,8 +55,8 @@ from credit import credit_map
 from equalizer import scales
 from loss import denominator, grpo_loss
 from optimizer import build as build_optimizers, zero_grad
-from model import batch_text, generators, latent_shape, load_decoder, load_policy, noise, \
-    sample, save_mp4, velocity
+from model import PASS_KINDS, batch_text, count_passes, generators, latent_shape, load_decoder, load_policy, \
+    noise, sample, save_mp4, velocity
 from reward import combine, group_advantages, sample_indices, score_and_grad
 from trust_region import Anchor, KLController
 
@@ -95,6 +97,7 @@ credit_window = (1, 3, 3)       # tvrl: (t, h, w) latent tokens of the smoothing
 sampler = 'sage'                # SDE of the rollouts: 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.5                       # exploration scale of the SDE noise
 num_steps = 20                  # sampling steps of a rollout (and of the ODE evaluation)
+eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
 shift = 5.0                     # sigma-schedule shift (480p: 5, 720p: 9)
 cfg = 6.0                       # classifier-free guidance scale (1.0: one forward, distilled models)
 # GRPO
@@ -103,6 +106,7 @@ group_size = 4                  # G: rollouts per prompt, the group of the advan
 rollout_batch = 4               # clips per forward pass in rollouts and evaluation (per rank)
 train_batch = 1                 # clips per forward+backward pass in the update (per rank)
 timestep_fraction = 1.0         # fraction of the stochastic steps trained per clip
+sde_window = 0                  # > 0: a random window of this many consecutive steps is stochastic and trained, ODE elsewhere
 clip_range = 1e-4               # PPO ratio clip
 adv_clip = 5.0                  # advantages are clipped to +-adv_clip
 equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
@@ -228,13 +232,13 @@ except (OSError, ValueError) as e:
 
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w)
 sigmas = sde.sigmas(num_steps, shift).to(device)        # (N + 1,) from 1.0 to 0.0
-S = (scales(sampler, sigmas.cpu(), eta, median) if equalizer else torch.ones(num_steps)).to(device)  # (N,) S_t
-trained_steps = [i for i in range(num_steps) if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
-n_train = max(1, round(timestep_fraction * len(trained_steps)))
+eval_sigmas = sde.sigmas(eval_steps or num_steps, shift).to(device)  # the held-out evaluation's ODE schedule
+stochastic = [i for i in range(num_steps) if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
+n_train = max(1, round(timestep_fraction * min(sde_window or num_steps, len(stochastic))))
 use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('stepwise', 'dual')
 w_pos, w_vel = beta_pos * use_pos, beta_vel * use_vel  # 'moving' is the position term alone
 
-iter_num, opt_steps = 0, 0
+iter_num, opt_steps, passes = 0, 0, dict.fromkeys(PASS_KINDS, 0)  # transformer passes by kind, all ranks (model.count_passes)
 for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into the sharded policy
     try:
         loop = checkpoint.load(ckpt, policy, optimizers, anchor)
@@ -245,7 +249,7 @@ for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into th
             print(f'warning: checkpoint {ckpt} is damaged ({type(e).__name__}): falling back to {ckpts[i + 1]}')
         continue
     controller.load_state_dict(loop['controller'])
-    iter_num, opt_steps = loop['iter_num'], loop['opt_steps']
+    iter_num, opt_steps, passes = loop['iter_num'], loop['opt_steps'], loop.get('passes', passes)
     if master:
         print(f'resumed from {ckpt} at iteration {iter_num}' + (' (the newest intact checkpoint)' if i else ''))
     break
@@ -268,7 +272,7 @@ def evaluate():
         prompts = [eval_list[i % len(eval_list)] for i in idx]
         gens = generators([mix(seed, 'eval', i) for i in idx])
         text, text_neg = text_for(prompts)
-        x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, 'ode', 0.0, gens)
+        x, _ = sample(policy, noise(shape, gens, device), eval_sigmas, text, cfg, text_neg, 'ode', 0.0, gens)
         frames = decode(x)
         sc = reward_fn(frames, prompts, fps)
         sc['composite'] = combine(sc, reward_weights)
@@ -285,6 +289,7 @@ def evaluate():
         dist.all_gather_object(parts, rows)
         rows = [r for p in parts for r in p]
     rows = [r for _, r in sorted(rows, key=lambda r: r[0])]  # item order: the same means on any world size
+    count_passes(passes, ('eval',), device)
     policy.train()
     move_metrics(visual, 'cpu')
     return {k: torch.tensor([r[k] for r in rows]).nanmean().item() for k in rows[0]}  # NaN: unscored video
@@ -293,7 +298,7 @@ def evaluate():
 def save_checkpoint():
     """Collective: each rank writes its shards (checkpoint.py), rank 0 publishes atomically."""
     checkpoint.save(os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}'), policy, optimizers,
-                    anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world,
+                    anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world, passes=passes,
                                               controller=controller.state_dict(), config=config),
                     keep=keep_checkpoints)
 
@@ -355,6 +360,8 @@ policy.train()
 while iter_num < max_iters:
     t0 = time.time()
     # ---- rollout: G clips per prompt, keeping per step what training needs
+    trained_steps = sde.window(stochastic, sde_window, mix(seed, 'window', iter_num))  # stochastic and trained
+    S = (scales(sampler, sigmas.cpu(), eta, median, trained_steps) if equalizer else torch.ones(num_steps)).to(device)  # (N,)
     g = torch.Generator().manual_seed(mix(seed, 'prompts', iter_num))
     chosen = (torch.randperm(len(train_list), generator=g)[:prompts_per_iter] if prompts_per_iter <= len(train_list)
               else torch.randint(len(train_list), (prompts_per_iter,), generator=g)).tolist()
@@ -368,12 +375,13 @@ while iter_num < max_iters:
             [prompt_seeds[p] + i % group_size if p in prompt_seeds else mix(seed, 'noise', p, i % group_size)
              for p, i in zip(prompts[c:c + rollout_batch], idx)]), device)
         text, text_neg = text_for(prompts[c:c + rollout_batch])
-        x, rec = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True)
+        x, rec = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True, window=trained_steps)
         traj.append(rec)
         latents.append(x)
     clips = {k: torch.cat([r[k] for r in traj]) for k in traj[0]}  # xs (n, N+1, C, F, h, w), ...
     clips['prompts'] = prompts
     del traj, rec, x  # torch.cat copied them: one copy of the rollout tensors lives through the update
+    count_passes(passes, ('rollout',), device)
     t1 = time.time()
 
     # ---- reward: decode and score in memory
@@ -419,6 +427,7 @@ while iter_num < max_iters:
             _, terms = step_loss(b, torch.tensor([t]), clips)
             g_kl = grad_norm_of(controller.value * (w_pos * terms.kl_pos + w_vel * terms.kl_vel).sum())
             diag['kl_grad_ratio'] = g_kl / max(g_pg, 1e-30)
+    count_passes(passes, ('diag_anchor', 'diag'), device)
 
     # ---- update: every trained step of every clip, in a random order per clip
     order = torch.stack([torch.tensor(trained_steps)[torch.randperm(len(trained_steps), generator=torch.Generator()
@@ -456,6 +465,7 @@ while iter_num < max_iters:
             controller.update(mean_all(sum(kl_chunk) / len(kl_chunk)))
         anchor.maybe_refresh(policy, opt_steps)
     bar.close()
+    count_passes(passes, ('anchor', 'update'), device)
     t3 = time.time()
     iter_num += 1
 
@@ -468,7 +478,7 @@ while iter_num < max_iters:
                group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
                nan_rewards=int((~valid).sum()), kl_pos=mean_all(stats['kl_pos']), kl_vel=mean_all(stats['kl_vel']),
                lambda_kl=controller.value, clipfrac=mean_all(stats['clipfrac']), grad_norm=stats['grad_norm'],
-               **diag, t_rollout=t1 - t0, t_reward=t2 - t1, t_update=t3 - t2,
+               **diag, **{f'passes_{k}': n for k, n in passes.items()}, t_rollout=t1 - t0, t_reward=t2 - t1, t_update=t3 - t2,
                peak_mem_gb=mem.max().item(), peak_mem_gb_ranks=mem.tolist())  # the worst rank, and each
     if master:
         print(f"iter {iter_num}: reward {row['reward']:.4f} (VQ {row['VQ']:.3f} MQ {row['MQ']:.3f} "
