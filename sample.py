@@ -1,16 +1,16 @@
 """
-Render videos from a policy with this repository's samplers: the base model vs an aligned checkpoint,
-as mp4 files, a contact sheet to compare them at a glance, and a table of their scores.
+Render base vs aligned with this repository's samplers: videos, a contact sheet, a table of their scores.
 
     python sample.py                                  # toy world: base vs out-toy's newest checkpoint
     python sample.py --prompts="a red circle moving left" --sampler=sage --eta=0.5
     python sample.py --model=weights/HunyuanVideo-1.5-480p_t2v --checkpoint=out --device=cuda --prompts=prompts/eval.txt
 
-Settings left at None take the world's defaults (the toy's config/toy.py, or HunyuanVideo 1.5 480p's).
-Writes out_dir/<name>_<i>.mp4 (base, aligned; prompts.txt: line i), contact_sheet.png (per prompt, first seed: its text, then
-a row of frames per model) and metrics.json: scores (the toy's exact reward and manifold distance, or
-VideoAlign's; --eval_metrics adds CLIPScore, PickScore), mean over the clips, printed above train.py's
-held-out evaluation (the checkpoint's metrics.jsonl; iteration 0 is the base), with what got better and worse.
+Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16 held-out
+prompts x 2 seeds, as train.py evaluates them but other seeds; or HunyuanVideo 1.5 480p's).
+Writes out_dir/<name>_<i>.mp4 (base, aligned; clip i: prompt i % P), contact_sheet.png (per prompt,
+first seed: its text, then a row of frames per model) and metrics.json: scores (the toy's exact reward
+and manifold distance, or VideoAlign's; --eval_metrics adds CLIPScore, PickScore), mean over the clips,
+printed above train.py's held-out evaluation (its metrics.jsonl; iteration 0: the base) and what changed.
 """
 import json
 import os
@@ -27,7 +27,7 @@ from model import batch_text, encode_prompts, generators, is_toy, latent_shape, 
 model = 'assets/toy'            # the base model: a diffusers directory, or the toy world's
 checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint) or a ckpt_* dir; '' for none
 prompts = 'assets/toy/eval_prompts.txt'  # one prompt, or a file with one prompt per line
-num_prompts = None              # prompts spread over the file (None: toy 8, each colour and direction twice; else 4)
+num_prompts = None              # prompts spread over the file (None: the toy's 16, every colour x direction; else 4)
 samples = None                  # seeds per prompt, the sheet shows the first (None: toy 2, HunyuanVideo 1)
 negative_prompt = ''            # unconditional branch of classifier-free guidance
 num_steps = None                # sampling steps (None: toy 10 as config/toy.py, HunyuanVideo 480p 50)
@@ -54,22 +54,18 @@ config = configure(globals())
 toy_world = is_toy(model)
 if toy_world:
     import toy  # noqa: F401  plugs the toy's text encoder, decoder and latent shape into model.py
-defaults = dict(num_steps=10, shift=3.0, cfg=1.0, fps=8, num_prompts=8, samples=2) if toy_world else \
+defaults = dict(num_steps=10, shift=3.0, cfg=1.0, fps=8, num_prompts=16, samples=2) if toy_world else \
     dict(num_steps=50, shift=5.0, cfg=6.0, fps=24, num_prompts=4, samples=1)  # all clips are one batch
 for k, v in defaults.items():
     if globals()[k] is None:
         globals()[k] = config[k] = v
 
-prompt_list = [prompts]
-if os.path.isfile(prompts):
-    lines = [l.strip() for l in open(prompts).read().splitlines() if l.strip()]
-    prompt_list = [lines[i * len(lines) // num_prompts] for i in range(min(num_prompts, len(lines)))]  # spread out
+lines = [l.strip() for l in open(prompts).read().splitlines() if l.strip()] if os.path.isfile(prompts) else [prompts]
+prompt_list = [lines[i * len(lines) // num_prompts] for i in range(min(num_prompts, len(lines)))]  # spread evenly
 if not prompt_list or not prompt_list[0]:
     raise SystemExit(f'no prompts in {prompts!r}')
 clip_prompts = prompt_list * samples  # clip i: prompt i % P, seed seed * 1000 + i; the first P are seed 0
 os.makedirs(out_dir, exist_ok=True)
-with open(os.path.join(out_dir, 'prompts.txt'), 'w') as f:  # line i: the prompt of <name>_<i>.mp4
-    f.write('\n'.join(clip_prompts) + '\n')
 models = [('base', None)]
 if checkpoint and os.path.isdir(checkpoint):
     models.append(('aligned', checkpoint_lib.resolve(checkpoint)))
@@ -99,9 +95,8 @@ for name, ckpt in models:
     print(f'{name}: {len(clip_prompts)} videos in {out_dir}/ ({ckpt or model})')
     del policy
 
-# contact sheet: for each prompt, a title line (the prompt), then one row of frames per model
-# (base above aligned) with its name at the left; 2-pixel gaps; small frames (the toy's 24x24) are
-# enlarged by an integer factor, nearest neighbour
+# contact sheet: per prompt (its first seed) a title line, then a row of frames per model (base above
+# aligned) named at the left; 2-pixel gaps; small frames (the toy's 24x24) enlarged by an integer factor
 zoom = max(1, 96 // rows[0].shape[-2])
 clips = rows  # (B, F, 3, H, W) per model, as decoded: the metrics table scores these
 rows = [f[:len(prompt_list)].repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]  # seed 0
@@ -142,7 +137,7 @@ if metrics_table:
     except (OSError, ValueError) as e:  # the videos and the sheet are written: say what is missing
         print(f'no metrics table: {e}')
         reward_fn = None
-    table = {}
+    table, composite = {}, {}
     for (name, _), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
         sc = reward_fn(frames, clip_prompts, fps)
         sc['composite'] = combine(sc, SETTING_B)  # (0.5, 0.5, 1) x (VQ, MQ, TA), train.py's default
@@ -150,6 +145,7 @@ if metrics_table:
             sc['manifold'] = manifold_distance(frames)
         sc.update({k: fn(frames, clip_prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
         table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}  # over clips
+        composite[name] = torch.as_tensor(sc['composite']).float()  # (B,) per clip, for the spread below
     if table:
         keys = list(table['base'])
         line = lambda label, get: print(f'{label:<10}' + ''.join(f'{get(k):>10.4f}' for k in keys))
@@ -159,8 +155,7 @@ if metrics_table:
             line(name, row.get)
         with open(os.path.join(out_dir, 'metrics.json'), 'w') as f:
             json.dump(table, f, indent=1)
-        # below: train.py's held-out evaluations (its own prompts and seeds), the first (base) and the checkpoint's
-        ckpt = models[-1][1]  # a ckpt_* directory inside its train.py out_dir, or None
+        ckpt = models[-1][1]  # below: train.py's evaluations in its out_dir, the first (the base) and the checkpoint's
         log = os.path.join(os.path.dirname(ckpt or '.'), 'metrics.jsonl')
         evals = [r for r in map(json.loads, open(log).read().splitlines()) if 'eval_composite' in r and
                  r['iter'] <= checkpoint_lib.read_loop(ckpt)['iter_num']] if ckpt and os.path.isfile(log) else []
@@ -170,7 +165,7 @@ if metrics_table:
                 line(f'iter {r["iter"]}', lambda k: r.get('eval_' + k, float('nan')))
         if 'aligned' in table:  # manifold distance: lower is better; every other metric: higher
             d = {k: table['aligned'][k] - table['base'][k] for k in keys}
-            good = {k: d[k] * (-1 if k == 'manifold' else 1) > 0 for k in keys}
-            on = lambda g: ', '.join(f'{k} {d[k]:+.4f}' for k in keys if good[k] == g)
-            print(f'aligned vs base: better on {on(True) or "nothing"}; worse on {on(False) or "nothing"} '
-                  '(manifold: lower is nearer the data)')
+            on = lambda worse: ', '.join(f'{k} {d[k]:+.4f}' for k in keys if ((d[k] > 0) == (k == 'manifold')) == worse)
+            se = (composite['aligned'] - composite['base']).std().item() / len(clip_prompts) ** 0.5  # paired clips
+            print(f'aligned vs base: better on {on(False) or "nothing"}; worse on {on(True) or "nothing"}; '
+                  f'the composite\'s standard error over these {len(clip_prompts)} paired clips: {se:.4f}')

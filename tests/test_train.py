@@ -154,14 +154,12 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     from tiny_clip import make_tiny_clip
     clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'samples')
-    p = run(['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_steps=4',  # 8 prompts x 2 seeds
+    p = run(['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_steps=4',  # the toy's 16 x 2 seeds
              '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}'])
     import toy
-    with open(os.path.join(out, 'prompts.txt')) as f:  # line i: the prompt of clip i
-        clip_prompts = f.read().split('\n')[:-1]
-    assert len(clip_prompts) == 16 and clip_prompts[8:] == clip_prompts[:8]  # 2 seeds of 8 prompts
-    for k in (0, 2):  # colour, direction (toy.parse): each of the 4 twice among the held-out prompts shown
-        assert sorted(toy.parse(q)[k] for q in clip_prompts[:8]) == [0, 0, 1, 1, 2, 2, 3, 3]
+    with open(os.path.join(os.path.dirname(toy.__file__), 'assets', 'toy', 'eval_prompts.txt')) as f:
+        pairs = sorted(toy.parse(l)[::2] for l in f if l.strip())  # (colour, direction) of each default prompt
+    assert pairs == [(c, d) for c in range(4) for d in range(4)]  # every pair once: the first look spans them
     for name in ('base', 'aligned'):
         for i in range(2):
             v = iio.imread(os.path.join(out, f'{name}_{i}.mp4'))  # (F, H, W, 3)
@@ -170,7 +168,7 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     sheet = iio.imread(os.path.join(out, 'contact_sheet.png'))
     zoom = max(1, 96 // toy.HEIGHT)  # small frames are enlarged on the sheet
     label_w, title_h = 64, 14  # sample.py's row-name column and prompt line, in pixels
-    assert sheet.shape[0] == 8 * (title_h + 2 * (zoom * toy.HEIGHT + 2))  # a block per prompt, its first seed
+    assert sheet.shape[0] == 16 * (title_h + 2 * (zoom * toy.HEIGHT + 2))  # a block per prompt, its first seed
     assert sheet.shape[1] == label_w + toy.FRAMES * (zoom * toy.WIDTH + 2)
     assert (sheet[:title_h, :label_w] < 128).any() and (sheet[title_h:, :label_w] < 128).any()  # text drawn
     assert 'contact sheet' in p.stdout
@@ -179,7 +177,7 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
         table = json.load(f)
     keys = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'clipscore', 'pickscore')
     assert list(table) == ['base', 'aligned'] and all(math.isfinite(table[m][k]) for m in table for k in keys)
-    assert 'metrics, mean over 8 prompts x 2 seeds' in p.stdout and all(k in p.stdout for k in keys)
+    assert 'metrics, mean over 16 prompts x 2 seeds' in p.stdout and all(k in p.stdout for k in keys)
     # below it, train.py's own held-out evaluations (iteration 0 and the checkpoint's), read from its log
     with open(os.path.join(ckpt, 'metrics.jsonl')) as f:
         ev = [json.loads(l) for l in f if 'eval_composite' in l]
@@ -191,6 +189,7 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     for k in ('composite', 'manifold'):
         d = table['aligned'][k] - table['base'][k]
         assert (f'{k} {d:+.4f}' in better) == (d * (-1 if k == 'manifold' else 1) > 0), (k, d, better)
+    assert 'standard error over these 32 paired clips' in p.stdout
     # missing weights: the videos and the sheet are written, the table is skipped naming the download
     p = run(['sample.py', '--checkpoint=', f'--out_dir={tmp_path / "s2"}', '--num_prompts=1', '--num_steps=2',
              '--eval_metrics=pickscore', '--pickscore_dir=/nonexistent/pick'])
