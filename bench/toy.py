@@ -760,8 +760,9 @@ def findings():
 
 found = findings()  # the sections' conclusions in a sentence each: the first part of results/README.md
 if found:
-    head += ['## Findings', '', 'Sections 2 and 3 in a sentence each (section 3: 15 iterations x 3 seeds of every '
-             'switch, parts (a)-(h); the paired 5-seed verdicts are section 6); the tables follow.', ''] + found + ['']
+    head += ['## Findings', '', f'Sections 2 and 3 in a sentence each (section 3: {train_iters} iterations x '
+             f'{seeds} seeds of every switch, parts (a)-(h); the paired 5-seed verdicts are section 6); the tables '
+             'follow.', ''] + found + ['']
 keep = C.get_block(os.path.join(out, 'README.md'), 'bench.verdicts')  # section 6: bench/verdicts.py's block
 with open(os.path.join(out, 'README.md'), 'w') as f:
     f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
