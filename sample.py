@@ -149,8 +149,7 @@ if metrics_table:
     if table:
         keys = list(table['base'])
         line = lambda label, get: print(f'{label:<10}' + ''.join(f'{get(k):>10.4f}' for k in keys))
-        print(f'metrics, mean over {len(prompt_list)} prompts x {samples} seeds:\n{"":10}' +
-              ''.join(f'{k:>10}' for k in keys))
+        print(f'metrics, mean over {len(prompt_list)} prompts x {samples} seeds:\n' + ''.join(f'{k:>10}' for k in [''] + keys))
         for name, row in table.items():
             line(name, row.get)
         with open(os.path.join(out_dir, 'metrics.json'), 'w') as f:
