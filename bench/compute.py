@@ -334,12 +334,13 @@ if __name__ == '__main__':
         f.write('\n'.join(md) + '\n')
     plots(runs, cmp)
     C.put_block(os.path.join(out, 'README.md'), 'bench.compute', md)
-    if out == 'results' and os.path.exists('README.md'):  # the short block: verdicts in one line each, the table
+    if out == 'results' and os.path.exists('README.md'):  # the short block: one row a setting; the rest in results/
+        short = [[k, f'{f["n_train"]}/{dict(FULL, **f["full_settings"])["num_steps"]}', f'{f["gpu_hours_iter"] / full_gpus:.3f}',
+                  f'{f["days_run"]:.1f}', cmp.get(k, {}).get('verdict', '')] for k, f in res['full'].items()]
         C.put_block('README.md', 'bench.compute', note + [
-            '- Toy verdicts at equal passes vs every step trained: ' +
-            '; '.join(f'**{k}**: {c["verdict"]}' for k, c in cmp.items() if k != DEFAULT) + '.',
-            f'- At full size, an estimate: FLOPs per pass measured at 352x624 (bench/fullsize.py), at an assumed '
-            f'{TFLOPS:.0f} TFLOP/s sustained per GPU; 32 clips an iteration; diagnostics and evaluation apart.', '', user])
+            f'Full-size estimate (FLOPs per pass measured at 352x624, an assumed {TFLOPS:.0f} TFLOP/s per GPU, 8 GPUs, '
+            f'{full_iters:,} iterations); toy verdict at equal passes vs every step trained ([results/compute.md](results/compute.md)):', '',
+            table(['setting', 'trained steps', 'h/iter', 'days', 'toy verdict'], short)])
     for k, c in cmp.items():
         print(f'{k}: {c["verdict"]}')
     print(f'wrote {out}/compute.md, compute.json, compute.png, README blocks')
