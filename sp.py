@@ -55,6 +55,8 @@ CP_PLAN = {
 def mesh(sp_size, device):
     """The (dp, ring, ulysses) device mesh of world = dp x sp ranks; ring is always 1."""
     import torch.distributed as dist
+    if not dist.is_initialized():
+        raise SystemExit(f'sp_size {sp_size} needs several processes: torchrun --nproc_per_node=N with N a multiple of it')
     world = dist.get_world_size()
     if sp_size < 1 or world % sp_size:
         raise SystemExit(f'sp_size {sp_size} must divide the world size {world}')
@@ -131,3 +133,25 @@ class KeyMaskAttention:
         out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=self._attention_backend,
                                     parallel_config=self._parallel_config).flatten(2, 3).to(q.dtype)
         return attn.to_out[1](attn.to_out[0](out[:, :-T])), attn.to_add_out(out[:, -T:])
+
+
+def spread(fn, n, device_mesh):
+    """Work on n clips that every rank of an sp group holds, done once: sp rank j runs fn(indices)
+    on clips j, j + sp, ... and every rank of the group gets the whole result back. fn(list) -> a dict
+    of (len(list), ...) tensors; returns the dict of (n, ...) tensors in clip order (on the CPU when
+    sp > 1). device_mesh None (sp 1): fn(range(n))."""
+    if device_mesh is None or device_mesh['ulysses'].size() == 1:
+        return fn(list(range(n)))
+    import torch.distributed as dist
+    group = device_mesh['ulysses']
+    size, me = group.size(), group.get_local_rank()
+    mine = list(range(me, n, size))
+    part = {k: v.cpu() for k, v in fn(mine).items()} if mine else None
+    parts = [None] * size
+    dist.all_gather_object(parts, part, group=group.get_group())  # every rank enters, with or without clips
+    first = next(p for p in parts if p is not None)
+    out = {k: v.new_empty((n,) + v.shape[1:]) for k, v in first.items()}
+    for j, p in enumerate(parts):
+        for k, v in (p or {}).items():
+            out[k][j::size] = v
+    return out
