@@ -22,7 +22,8 @@ its dense (B, 1, S_local, S_local) mask has the local query length, which the al
 (a shape error), so enable() replaces it with KeyMaskAttention (identical outputs on valid tokens).
 
 Limits: heads % sp == 0 (16 heads: sp 1, 2, 4, 8, 16; the toy's 3 heads: sp 1 or 3) and the video
-tokens F*h*w % sp == 0 (480x848 at 81 frames, 33,390 tokens: sp 2 only; 720p at 121 frames: up to 8),
+tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,018: sp 2 only;
+121 frames at 720x1280, 111,600: up to 16),
 both checked with a clear error. The text tokens are padded with masked tokens to a multiple of sp.
 diffusers' Ulysses-anything mode (uneven splits) has no backward pass, so it cannot train.
 """

@@ -20,6 +20,7 @@ def main(path, inputs, out):
     dist.init_process_group('gloo')
     rank, world = dist.get_rank(), dist.get_world_size()
     model = sp.enable(load_transformer(path), sp.mesh(world, 'cpu'))
+    model.enable_gradient_checkpointing()  # as train.py runs it: the split inside each recomputation
     seen = []  # the token count block 0's attention sees on this rank: video/world + text/world
     model.transformer_blocks[0].attn.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append(kwargs['hidden_states'].shape[1] + kwargs['encoder_hidden_states'].shape[1]),
