@@ -160,7 +160,7 @@ sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysse
 dp_rank, dp_world = rank // sp_size, world // sp_size  # an sp group: sp_size consecutive ranks, the same clips
 n_clips = prompts_per_iter * group_size
 if n_clips % dp_world:
-    raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by world / sp_size = {dp_world}')
+    raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world size {world} / sp_size {sp_size}')
 n_local = n_clips // dp_world  # clips of this rank's group: global indices dp_rank * n_local + j
 
 # preemption: the first SIGTERM asks for a checkpoint at the end of the current iteration, a second
