@@ -7,10 +7,96 @@ error that names the key, never a silent new global.
 
 Usage inside a script, after its settings:
     config = configure(globals())   # returns the resolved settings as a dict
+
+Then every setting is checked against RULES below, the one table of valid values (ranges, names, sizes)
+for train.py, sample.py and the benches alike, before the script loads or writes anything: a bad
+value is one line that names the setting, the value and what is allowed. A rule applies to every
+script that has a setting of that name; a script adds or narrows rules for its own settings with
+configure(globals(), rules=dict(sampler=one_of(*sde.KINDS)))  (sample.py: 'ode' too).
+
+Tested by: python -m pytest tests/test_configurator.py   (every rule through the real scripts)
 """
 import ast
+import os
 import sys
 import types
+
+from credit import GRANULARITIES
+from equalizer import MEDIANS
+from metrics import NAMES as METRICS
+from optimizer import KINDS as OPTIMIZERS
+from sde import KINDS
+from trust_region import STRATEGIES
+
+SAMPLERS = tuple(k for k in KINDS if k != 'ode')  # train.py: an ODE step has no log-probability to train
+
+
+def one_of(*choices):
+    return (lambda v: v in choices), 'one of ' + ', '.join(map(repr, choices))
+
+
+def list_of(*choices):  # a comma list of some of the choices, '' for none
+    return (lambda v: all(c.strip() in choices for c in v.split(',') if c.strip())), \
+        "a comma list of " + ', '.join(map(repr, choices)) + " ('' for none)"
+
+
+def number(lo=None, hi=None, lo_open=False, then=''):  # lo <= v (lo < v if lo_open) and v <= hi
+    text = ' and '.join(t for t in (lo is not None and f"{'greater than' if lo_open else 'at least'} {lo:g}",
+                                    hi is not None and f'at most {hi:g}') if t)
+    return (lambda v: (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)), text + then
+
+
+def prompt_or_file(v):  # sample.py --prompts: a prompt, or a file of prompts
+    names_file = v.endswith(('.txt', '.csv')) or os.sep in v or '/' in v
+    return not names_file or os.path.isfile(v) or 'file not found'
+
+
+# ----------------------------------------------------------------------------- valid values
+# setting: (test of a value, what is allowed); None passes only where the script's default is None
+RULES = dict(
+    sampler=one_of(*SAMPLERS), kl_strategy=one_of(*STRATEGIES), optimizer=one_of(*OPTIMIZERS),
+    median=one_of(*MEDIANS), credit=one_of('none', 'tvrl'), credit_granularity=one_of(*GRANULARITIES),
+    kl_update=one_of('step', 'backward'), prompt_noise=one_of('fresh', 'fixed'),
+    init_from=one_of('scratch', 'resume'), reward_model=one_of('videoalign', 'toy'),
+    device=one_of('cuda', 'cpu'), export_dtype=one_of('bfloat16', 'float16', 'float32', ''),
+    eval_metrics=list_of(*METRICS), kl_direction=one_of(1, -1),
+    credit_window=((lambda v: len(v) == 3 and all(k >= 1 and k % 2 for k in v)), '3 odd sizes (t, h, w) >= 1'),
+    reward_weights=((lambda v: len(v) == 3 and all(w >= 0 for w in v)), '3 weights (VQ, MQ, TA) >= 0'),
+    # sampler and sizes
+    num_steps=number(1), eta=number(0, lo_open=True, then=' (at 0 no step is stochastic: nothing to train)'),
+    shift=number(0, lo_open=True), cfg=number(1, then=' (1: no guidance)'),
+    num_frames=((lambda v: v >= 1 and v % 4 == 1), '1 + 4k frames (the VAE compresses time 4x): 1, 5, ..., 81'),
+    height=((lambda v: v >= 16 and v % 16 == 0), 'a multiple of 16 (the VAE compresses space 16x)'),
+    width=((lambda v: v >= 16 and v % 16 == 0), 'a multiple of 16 (the VAE compresses space 16x)'),
+    fps=number(0, lo_open=True),
+    # GRPO, trust region, optimisation
+    group_size=number(2, then=' (GRPO compares rollouts of a prompt)'), prompts_per_iter=number(1),
+    rollout_batch=number(1), train_batch=number(1), updates_per_iter=number(1),
+    timestep_fraction=number(0, 1, lo_open=True), clip_range=number(0, lo_open=True), adv_clip=number(0, lo_open=True),
+    anchor_every=number(1), beta_pos=number(0), beta_vel=number(0), kl_max=number(0, lo_open=True),
+    kl_target=number(0, lo_open=True), learning_rate=number(0, lo_open=True), weight_decay=number(0),
+    grad_clip=number(0, lo_open=True), lora_rank=number(0), max_iters=number(0),
+    sp_size=number(1),  # it must divide the world size and the heads (16; the toy's 3): train.py and sp.py check
+    # I/O
+    eval_every=number(0), eval_samples=number(1), eval_videos=number(0), save_every=number(0),
+    keep_checkpoints=number(1), diag_every=number(0), num_prompts=number(1),
+    # benches
+    threads=number(1), seeds=number(1), iters=number(1), workers=number(1),
+)
+
+
+def check(settings, rules=RULES, defaults=None):
+    """SystemExit with one line for the first setting whose value breaks its rule."""
+    for key, (test, allowed) in rules.items():
+        if key not in settings or (settings[key] is None and (defaults or {}).get(key, 0) is None):
+            continue
+        try:
+            ok = settings[key] is not None and test(settings[key])
+        except (TypeError, ValueError):  # e.g. a tuple of the wrong length or element type
+            ok = False
+        if ok is not True:
+            why = f' ({ok})' if isinstance(ok, str) else ''
+            raise SystemExit(f'config error: {key} must be {allowed}, got {settings[key]!r}{why}')
 
 
 def _settings(g):
@@ -36,10 +122,12 @@ def _check(key, value, settings):
                      f'(default {old!r}), got {type(value).__name__} {value!r}')
 
 
-def configure(g, argv=None):
-    """Apply config files and --key=value overrides from argv to the globals dict g."""
+def configure(g, argv=None, rules=None):
+    """Apply config files and --key=value overrides from argv to the globals dict g, then check
+    every setting against RULES (updated with this script's own rules)."""
     argv = sys.argv[1:] if argv is None else argv
     settings = _settings(g)
+    defaults = dict(settings)
     for arg in argv:
         if not arg.startswith('--'):
             # a config file: python assignments, executed in an empty namespace and then checked
@@ -63,4 +151,5 @@ def configure(g, argv=None):
         for key, value in updates.items():
             value = _check(key, value, settings)
             g[key] = settings[key] = value
+    check(settings, {**RULES, **(rules or {})}, defaults)
     return settings

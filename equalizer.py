@@ -11,10 +11,13 @@ so every trained step contributes a gradient of about the same size.
 Deterministic steps (std 0: ode, eta 0, the last cps step, sage steps above its clamp) are never
 trained: their proxy is a placeholder 0 (not inf) and their scale is 1.
 
+With an SDE window (sde.window) only the window's steps are trained: the median is over those
+(`steps`), and every other step has scale 1.
+
 Where this differs from the released code: the median of an even number of steps is numpy's (the
 mean of the two middle values, SPEC's 0.1667); median='lower' gives the released torch.median.
 
-Tested by: python -m pytest tests/test_equalizer.py
+Tested by: python -m pytest tests/test_equalizer.py (over a window: tests/test_compute.py)
 """
 
 import torch
@@ -44,13 +47,18 @@ def proxy(kind, sigmas, eta):
 MEDIANS = ('mean_of_middle', 'lower')  # the median of an even count: numpy's (SPEC) | torch.median's (released)
 
 
-def scales(kind, sigmas, eta, median='mean_of_middle'):
-    """S_t = median(N) / N_t over the stochastic steps, 1.0 for the deterministic ones; (T,) float32."""
+def scales(kind, sigmas, eta, median='mean_of_middle', steps=None):
+    """S_t = median(N) / N_t over the stochastic steps (those of `steps` only, if given: the steps
+    trained), 1.0 for the others; (T,) float32."""
     if median not in MEDIANS:
         raise ValueError(f'median must be one of {MEDIANS}, got {median!r}')
     s, s_next = sigmas[:-1].double(), sigmas[1:].double()  # (T,)
     n = proxy(kind, sigmas, eta).double()  # (T,)
     stochastic = (sde.variance(kind, s, s_next, eta) > 0) & (s > 0)
+    if steps is not None:  # an SDE window: the other steps are ODE steps in the rollout
+        trained = torch.zeros(len(s), dtype=torch.bool)
+        trained[list(steps)] = True
+        stochastic &= trained
     if not stochastic.any():  # an all-ODE schedule: nothing is trained
         return torch.ones(len(s))
     # for an even count 'mean_of_middle' is the mean of the two middle values (numpy's median): that

@@ -128,6 +128,15 @@ def load_pickscore(pickscore_dir, device='cpu', dtype=torch.float32, processor_d
     return FrameScorer(model, tokenizer, image, lambda cos: scale * cos)
 
 
+def move(fns, device):
+    """The scorers' models to device: train.py keeps them on the CPU and on the GPU only while it
+    evaluates (CLIP-L and PickScore are ~5.7 GB in fp32, which the update's peak need not carry)."""
+    for fn in fns.values():
+        fn.model.to(device)
+    if fns and torch.device(device).type == 'cpu' and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # their blocks back to the driver, not kept cached beside the update
+
+
 def load_metrics(names, clip_dir, pickscore_dir, device='cpu', dtype=torch.float32):
     """'clipscore,pickscore' (or a subset, '' for none) -> {name: score_fn}."""
     names = [n.strip() for n in names.split(',') if n.strip()] if isinstance(names, str) else list(names)

@@ -178,6 +178,25 @@ def batch_text(cache, prompts, device, dtype=torch.float32):
 
 # ----------------------------------------------------------------------------- velocity, sampling
 
+# transformer passes of this process since the last count_passes(), [without grad, with grad]: a pass
+# is one clip through the transformer for one CFG branch (a forward; with grad, forward + backward)
+PASSES = [0, 0]
+PASS_KINDS = ('rollout', 'anchor', 'update', 'diag_anchor', 'diag', 'eval')  # train.py's; with grad: update, diag
+
+
+def count_passes(totals, kinds, device='cpu'):
+    """Add the passes of every rank since the last call to totals[kinds[0]] (without grad) and
+    totals[kinds[1]] (with grad), then start again from 0. Collective: every rank calls it alike."""
+    n = torch.tensor(PASSES, device=device)  # (2,) int64
+    if dist.is_initialized():
+        dist.all_reduce(n)  # a sum of integers: exact
+    PASSES[:] = [0, 0]
+    for kind, k in zip(kinds, n.tolist()):
+        totals[kind] += k
+    if len(kinds) < 2 and n[1]:
+        raise RuntimeError(f'{kinds[0]}: {int(n[1])} passes with grad where none were expected')
+
+
 def velocity(model, x, s, text, cfg=1.0, text_neg=None):
     """Guided velocity v = v_u + cfg * (v_c - v_u), both branches in one batched forward.
     x: (B, C, F, H, W) float32, s: (B,) sigmas, text/text_neg: batch_text() outputs."""
@@ -185,6 +204,7 @@ def velocity(model, x, s, text, cfg=1.0, text_neg=None):
     if cfg != 1.0:
         x, s = torch.cat([x, x]), torch.cat([s, s])
         text = _cat_text(text, text_neg)
+    PASSES[torch.is_grad_enabled()] += x.shape[0] * sp.first(model)  # clips x CFG branches, once per sp group
     e1, m1, e2, m2 = sp.pad_text(model, x, text, IMAGE_TOKENS)  # sequence parallel: text splits evenly
     hidden = torch.cat([x, torch.zeros_like(x), x.new_zeros(x.shape[0], 1, *x.shape[2:])], 1)
     image = x.new_zeros(x.shape[0], IMAGE_TOKENS, model.config.image_embed_dim)
@@ -219,17 +239,19 @@ def generators(seeds):
 
 
 @torch.no_grad()
-def sample(model, x, sigmas, text, cfg, text_neg, kind, eta, gens, keep=False):
-    """Integrate from x at sigmas[0] down to sigmas[-1] with sde.step of the given kind.
-    Returns the final latents and, if keep, what training needs for every step:
-    xs (B, N+1, ...), means (B, N, ...), logps (B, N), stds (B, N)."""
+def sample(model, x, sigmas, text, cfg, text_neg, kind, eta, gens, keep=False, window=None):
+    """Integrate from x at sigmas[0] down to sigmas[-1] with sde.step of the given kind (at the steps
+    in `window` only, if given: ODE steps elsewhere, see sde.window). Returns the final latents and,
+    if keep, what training needs for every step: xs (B, N+1, ...), means (B, N, ...), logps (B, N),
+    stds (B, N); an ODE step has std 0 and logp 0 (it has no log-probability, and is never trained)."""
     B, N = x.shape[0], len(sigmas) - 1
     xs, means, logps, stds = [x], [], [], []
     for i in range(N):
         s = sigmas[i].expand(B).to(x.device)
         v = velocity(model, x, s, text, cfg, text_neg)
         z = noise(x.shape[1:], gens, x.device)  # drawn even for ODE steps: keeps streams aligned
-        st = sde.step(x, v, sigmas[i].item(), sigmas[i + 1].item(), kind=kind, eta=eta, noise=z)
+        st = sde.step(x, v, sigmas[i].item(), sigmas[i + 1].item(), noise=z,
+                      kind=kind if window is None or i in window else 'ode', eta=eta)
         x = st.prev
         if keep:
             xs.append(x)

@@ -38,6 +38,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from trust_region import reshard
+
 KINDS = ('muon', 'adamw')  # the `optimizer` setting of train.py
 MOMENTUM = 0.95            # Muon's Nesterov momentum (released default)
 ADAMW_BETAS = (0.95, 0.95)  # betas of the AdamW part of the muon setting (the released Muon's backup)
@@ -72,10 +74,20 @@ class Muon(torch.optim.Muon):
         return None
 
 
+def zero_grad(optimizers):
+    """Free the gradients through the optimizers' own (sharded) tensors. Never model.zero_grad() under
+    FSDP2: after a no-grad forward the root unit stays unsharded (shared/SPEC.md section 9), its
+    parameters() are then the unsharded copies, and their .grad is cleared while the sharded gradients
+    the optimizer reads keep accumulating over iterations."""
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+
+
 def build(model, kind, lr, weight_decay):
     """A list of torch optimizers over the model's trainable parameters (call after FSDP sharding)."""
     if kind not in KINDS:
         raise SystemExit(f'optimizer must be one of {KINDS}, got {kind!r}')
+    reshard(model)  # the sharded parameters, even after a forward (see zero_grad)
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == 'adamw':
         return [torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)]

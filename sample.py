@@ -1,20 +1,16 @@
 """
-Render videos from a policy with this repository's samplers, and a contact sheet that compares
-the base model with an aligned checkpoint at a glance (one row of frames per model and prompt).
+Render base vs aligned with this repository's samplers: videos, a contact sheet, a table of their scores.
 
     python sample.py                                  # toy world: base vs out-toy's newest checkpoint
     python sample.py --prompts="a red circle moving left" --sampler=sage --eta=0.5
     python sample.py --model=weights/HunyuanVideo-1.5-480p_t2v --checkpoint=out --device=cuda --prompts=prompts/eval.txt
 
-Settings left at None take the world's own defaults: the toy's sampling (config/toy.py: 10 steps,
-shift 3, no guidance, 8 fps), or HunyuanVideo 1.5 480p's inference defaults (50 steps, shift 5,
-cfg 6, 81 frames at 480x848, 24 fps).
-
-Files: out_dir/<name>_<i>.mp4 for name in (base, aligned), and out_dir/contact_sheet.png: per prompt
-a title line with the prompt, then one labelled row of frames per model (base above aligned).
-Then a table of every metric, mean over the prompts, base vs aligned (also out_dir/metrics.json): the
-toy's exact reward and manifold distance, or VideoAlign's VQ/MQ/TA, plus CLIPScore and PickScore with
---eval_metrics=clipscore,pickscore (metrics.py). Missing weights skip the table with the download command.
+Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16 held-out
+prompts x 2 seeds, as train.py evaluates them but other seeds; or HunyuanVideo 1.5 480p's).
+Writes out_dir/<name>_<i>.mp4 (base, aligned; clip i: prompt i % P), contact_sheet.png (per prompt,
+first seed: its text, then a row of frames per model) and metrics.json: scores (the toy's exact reward
+and manifold distance, or VideoAlign's; --eval_metrics adds CLIPScore, PickScore), mean over the clips,
+printed above train.py's held-out evaluation (its metrics.jsonl; iteration 0: the base) and what changed.
 """
 import json
 import os
@@ -23,7 +19,7 @@ import torch
 
 import checkpoint as checkpoint_lib
 import sde
-from configurator import configure
+from configurator import configure, number, one_of, prompt_or_file
 from model import batch_text, encode_prompts, generators, is_toy, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4
 
@@ -31,7 +27,8 @@ from model import batch_text, encode_prompts, generators, is_toy, latent_shape, 
 model = 'assets/toy'            # the base model: a diffusers directory, or the toy world's
 checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint) or a ckpt_* dir; '' for none
 prompts = 'assets/toy/eval_prompts.txt'  # one prompt, or a file with one prompt per line
-num_prompts = 4                 # the first few prompts of the file
+num_prompts = None              # prompts spread over the file (None: the toy's 16, every colour x direction; else 4)
+samples = None                  # seeds per prompt, the sheet shows the first (None: toy 2, HunyuanVideo 1)
 negative_prompt = ''            # unconditional branch of classifier-free guidance
 num_steps = None                # sampling steps (None: toy 10 as config/toy.py, HunyuanVideo 480p 50)
 shift = None                    # sigma-schedule shift (None: toy 3.0, HunyuanVideo 480p 5.0)
@@ -42,7 +39,7 @@ num_frames = 81                 # HunyuanVideo only (the toy's clip size is fixe
 height = 480
 width = 848
 fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24)
-seed = 0                        # the same seed per prompt for every model: differences are the model's
+seed = 0                        # the same seeds for every model: differences are the model's
 device = 'cpu'
 out_dir = 'samples'
 metrics_table = True            # print base vs aligned scores: the toy's reward, or VideoAlign's
@@ -51,24 +48,24 @@ qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
 eval_metrics = ''               # visual metrics in the table too: 'clipscore,pickscore' (metrics.py)
 clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
 pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
-config = configure(globals())
+config = configure(globals(), rules=dict(  # configurator.RULES, and what differs here: ODE sampling, eta 0
+    sampler=one_of(*sde.KINDS), eta=number(0), prompts=(prompt_or_file, 'a prompt, or a .txt/.csv file of prompts')))
 # -----------------------------------------------------------------------------
 # the world's own defaults for what was left at None: the toy's (config/toy.py) or HunyuanVideo 480p's
 toy_world = is_toy(model)
 if toy_world:
     import toy  # noqa: F401  plugs the toy's text encoder, decoder and latent shape into model.py
-defaults = dict(num_steps=10, shift=3.0, cfg=1.0, fps=8) if toy_world else dict(num_steps=50, shift=5.0, cfg=6.0, fps=24)
+defaults = dict(num_steps=10, shift=3.0, cfg=1.0, fps=8, num_prompts=16, samples=2) if toy_world else \
+    dict(num_steps=50, shift=5.0, cfg=6.0, fps=24, num_prompts=4, samples=1)  # all clips are one batch
 for k, v in defaults.items():
     if globals()[k] is None:
         globals()[k] = config[k] = v
 
-
-prompt_list = [prompts]
-if os.path.isfile(prompts):
-    with open(prompts) as f:
-        prompt_list = [l.strip() for l in f if l.strip()][:num_prompts]
+lines = [l.strip() for l in open(prompts).read().splitlines() if l.strip()] if os.path.isfile(prompts) else [prompts]
+prompt_list = [lines[i * len(lines) // num_prompts] for i in range(min(num_prompts, len(lines)))]  # spread evenly
 if not prompt_list or not prompt_list[0]:
     raise SystemExit(f'no prompts in {prompts!r}')
+clip_prompts = prompt_list * samples  # clip i: prompt i % P, seed seed * 1000 + i; the first P are seed 0
 os.makedirs(out_dir, exist_ok=True)
 models = [('base', None)]
 if checkpoint and os.path.isdir(checkpoint):
@@ -79,8 +76,7 @@ else:
     print(f'no checkpoint at {checkpoint!r} yet (python train.py config/toy.py writes one): base model only')
 
 cache = encode_prompts(model, prompt_list + [negative_prompt], device)
-text = batch_text(cache, prompt_list, device)
-text_neg = batch_text(cache, [negative_prompt] * len(prompt_list), device)
+text, text_neg = (batch_text(cache, ps, device) for ps in (clip_prompts, [negative_prompt] * len(clip_prompts)))
 decode = load_decoder(model, device)
 shape = latent_shape(model, num_frames, height, width)
 sigmas = sde.sigmas(num_steps, shift)
@@ -91,21 +87,20 @@ for name, ckpt in models:
     if ckpt:  # the trained weights of a sharded (DCP) checkpoint, read into one plain model
         checkpoint_lib.load_weights(ckpt, policy)
     policy.eval()
-    gens = generators([seed * 1000 + i for i in range(len(prompt_list))])
+    gens = generators([seed * 1000 + i for i in range(len(clip_prompts))])
     x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, sampler, eta, gens)
     frames = decode(x)                                         # (B, F, 3, H, W) in [0, 1]
     for i, clip in enumerate(frames):
         save_mp4(clip, os.path.join(out_dir, f'{name}_{i}.mp4'), fps)
     rows.append(frames)
-    print(f'{name}: {len(prompt_list)} videos in {out_dir}/ ({ckpt or model})')
+    print(f'{name}: {len(clip_prompts)} videos in {out_dir}/ ({ckpt or model})')
     del policy
 
-# contact sheet: for each prompt, a title line (the prompt), then one row of frames per model
-# (base above aligned) with its name at the left; 2-pixel gaps; small frames (the toy's 24x24) are
-# enlarged by an integer factor, nearest neighbour
+# contact sheet: per prompt (its first seed) a title line, then a row of frames per model (base above
+# aligned) named at the left; 2-pixel gaps; small frames (the toy's 24x24) enlarged by an integer factor
 zoom = max(1, 96 // rows[0].shape[-2])
 clips = rows  # (B, F, 3, H, W) per model, as decoded: the metrics table scores these
-rows = [f.repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]
+rows = [f[:len(prompt_list)].repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]  # seed 0
 B, F, _, H, W = rows[0].shape
 gap, label_w, title_h = 2, 64, 14  # pixels: between frames, the row-name column, the prompt line
 block = title_h + len(rows) * (H + gap)  # one prompt
@@ -143,18 +138,34 @@ if metrics_table:
     except (OSError, ValueError) as e:  # the videos and the sheet are written: say what is missing
         print(f'no metrics table: {e}')
         reward_fn = None
-    table = {}
+    table, composite = {}, {}
     for (name, _), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
-        sc = reward_fn(frames, prompt_list, fps)
+        sc = reward_fn(frames, clip_prompts, fps)
         sc['composite'] = combine(sc, SETTING_B)  # (0.5, 0.5, 1) x (VQ, MQ, TA), train.py's default
         if manifold_distance is not None:
             sc['manifold'] = manifold_distance(frames)
-        sc.update({k: fn(frames, prompt_list) for k, fn in visual.items()})  # per-frame mean, (B,) each
-        table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}  # over prompts
+        sc.update({k: fn(frames, clip_prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
+        table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}  # over clips
+        composite[name] = torch.as_tensor(sc['composite']).float()  # (B,) per clip, for the spread below
     if table:
         keys = list(table['base'])
-        print(f'metrics, mean over {len(prompt_list)} prompts:\n' + ' ' * 8 + ''.join(f'{k:>11}' for k in keys))
+        line = lambda label, get: print(f'{label:<10}' + ''.join(f'{get(k):>10.4f}' for k in keys))
+        print(f'metrics, mean over {len(prompt_list)} prompts x {samples} seeds:\n' + ''.join(f'{k:>10}' for k in [''] + keys))
         for name, row in table.items():
-            print(f'{name:<8}' + ''.join(f'{row[k]:>11.4f}' for k in keys))
+            line(name, row.get)
         with open(os.path.join(out_dir, 'metrics.json'), 'w') as f:
             json.dump(table, f, indent=1)
+        ckpt = models[-1][1]  # below: train.py's evaluations in its out_dir, the first (the base) and the checkpoint's
+        log = os.path.join(os.path.dirname(ckpt or '.'), 'metrics.jsonl')
+        evals = [r for r in map(json.loads, open(log).read().splitlines()) if 'eval_composite' in r and
+                 r['iter'] <= checkpoint_lib.read_loop(ckpt)['iter_num']] if ckpt and os.path.isfile(log) else []
+        if len(evals) > 1:
+            print(f"train.py's held-out evaluation ({log}):")
+            for r in (evals[0], evals[-1]):
+                line(f'iter {r["iter"]}', lambda k: r.get('eval_' + k, float('nan')))
+        if 'aligned' in table:  # manifold distance: lower is better; every other metric: higher
+            d = {k: table['aligned'][k] - table['base'][k] for k in keys}
+            on = lambda worse: ', '.join(f'{k} {d[k]:+.4f}' for k in keys if ((d[k] > 0) == (k == 'manifold')) == worse)
+            se = (composite['aligned'] - composite['base']).std().item() / len(clip_prompts) ** 0.5  # paired clips
+            print(f'aligned vs base: better on {on(False) or "nothing"}; worse on {on(True) or "nothing"}; '
+                  f'the composite\'s standard error over these {len(clip_prompts)} paired clips: {se:.4f}')

@@ -25,8 +25,10 @@ Where this differs from the paper and why:
 - the last CPS step (s' = 0: std 0, a deterministic step) has no log-probability (logp None) and is
   never trained; reference implementations return a finite value there (their density with its
   std-dependent terms dropped or floored) and train that step too.
+- optional (not in the paper; Flow-GRPO-Fast, MixGRPO): window() makes only a window of w consecutive
+  steps stochastic (and trained); the rollout takes ODE steps (kind 'ode') everywhere else.
 
-Tested by: python -m pytest tests/test_sde.py
+Tested by: python -m pytest tests/test_sde.py (the window: tests/test_compute.py)
 """
 import math
 from typing import NamedTuple
@@ -81,6 +83,25 @@ def variance(kind, s, s_next, eta):
     else:  # cps
         var = (s_next * math.sin(eta * math.pi / 2)) ** 2
     return var.item() if is_float else var.to(dtype)
+
+
+def window(steps, size, seed):
+    """The steps that are stochastic, and trained, in a rollout with sde_window=size: `size` consecutive
+    entries of `steps` (the schedule's stochastic steps) from a start drawn uniformly from seed (train.py:
+    a function of (seed, iteration), shared by every clip and rank, so a resumed run draws the same);
+    all of `steps` if size is 0 or covers them.
+
+    Which schedule, and why: Flow-GRPO-Fast's random window, not MixGRPO's sliding one. MixGRPO moves
+    the window by w steps every k iterations (25 in its scripts) and then parks it at the last window
+    (or rolls back): where it is depends on k and the run's length, a second setting that a 40-iteration
+    toy run and the released 10,000 iterations cannot share, and late in a run only the last steps
+    learn. A uniform random start is stationary: every position is trained equally often at any run
+    length, with one setting, w. (Flow-GRPO-Fast draws the start from a configurable sub-range of the
+    steps, often the early half; here it is the whole range of the stochastic steps.)"""
+    if not size or size >= len(steps):
+        return list(steps)
+    start = int(torch.randint(len(steps) - size + 1, (), generator=torch.Generator().manual_seed(seed % 2 ** 63)))
+    return list(steps[start:start + size])
 
 
 def _correction(kind, s, s_next, var):

@@ -89,6 +89,12 @@ def degree(model):
     return pc.context_parallel_config.ulysses_degree if pc is not None and pc.context_parallel_config else 1
 
 
+def first(model):
+    """Whether this rank is the first of its sp group (always, without sequence parallel)."""
+    pc = getattr(model, '_parallel_config', None)
+    return pc is None or pc.context_parallel_config is None or pc.context_parallel_config._ulysses_local_rank == 0
+
+
 def pad_text(model, x, text, image_tokens):
     """text (batch_text's four tensors) with the Qwen text padded by masked tokens, so that the
     model's text tokens (Qwen + ByT5 + image) split evenly; checks that the video tokens do."""

@@ -29,6 +29,8 @@ Where this code knowingly differs from the paper or its released code:
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
   updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
+- sde_window=w (not in the paper; Flow-GRPO-Fast's random window, sde.window): rollouts take ODE steps
+  but for w consecutive stochastic ones, the only steps trained; S_t's median is over those.
 - credit='tvrl' (not in the paper; TVRL on top): each clip's log-prob is a credit-weighted mean over its
   latent tokens (credit.py) instead of the plain mean, in both the old and the new log-prob.
 """
@@ -51,11 +53,11 @@ import sp
 import toy  # plugs the toy world (its text encoder, decoder, latent shape) into model.py
 from configurator import configure
 from credit import credit_map
-from equalizer import MEDIANS, scales
+from equalizer import scales
 from loss import denominator, grpo_loss
-from optimizer import build as build_optimizers
-from model import batch_text, generators, latent_shape, load_decoder, load_policy, noise, \
-    sample, save_mp4, velocity
+from optimizer import build as build_optimizers, zero_grad
+from model import PASS_KINDS, batch_text, count_passes, generators, latent_shape, load_decoder, load_policy, \
+    noise, sample, save_mp4, velocity
 from reward import combine, group_advantages, sample_indices, score_and_grad
 from trust_region import Anchor, KLController
 
@@ -96,6 +98,7 @@ credit_window = (1, 3, 3)       # tvrl: (t, h, w) latent tokens of the smoothing
 sampler = 'sage'                # SDE of the rollouts: 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.5                       # exploration scale of the SDE noise
 num_steps = 20                  # sampling steps of a rollout (and of the ODE evaluation)
+eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
 shift = 5.0                     # sigma-schedule shift (480p: 5, 720p: 9)
 cfg = 6.0                       # classifier-free guidance scale (1.0: one forward, distilled models)
 # GRPO
@@ -104,6 +107,7 @@ group_size = 4                  # G: rollouts per prompt, the group of the advan
 rollout_batch = 4               # clips per forward pass in rollouts and evaluation (per rank)
 train_batch = 1                 # clips per forward+backward pass in the update (per rank)
 timestep_fraction = 1.0         # fraction of the stochastic steps trained per clip
+sde_window = 0                  # > 0: a random window of this many consecutive steps is stochastic and trained, ODE elsewhere
 clip_range = 1e-4               # PPO ratio clip
 adv_clip = 5.0                  # advantages are clipped to +-adv_clip
 equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
@@ -130,18 +134,8 @@ gradient_checkpointing = True   # recompute block activations in backward
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks that share one clip's tokens (sequence parallel, sp.py); data parallel over world / sp_size
 seed = 0
-config = configure(globals())
+config = configure(globals())  # also checks each value against configurator.RULES
 # -----------------------------------------------------------------------------
-
-KINDS, STRATEGIES = ('sage', 'flow', 'dance', 'cps'), ('none', 'fixed', 'stepwise', 'moving', 'dual')
-if sampler not in KINDS or kl_strategy not in STRATEGIES:
-    raise SystemExit(f'sampler must be one of {KINDS}, kl_strategy one of {STRATEGIES}')
-if credit not in ('none', 'tvrl'):
-    raise SystemExit(f"credit must be 'none' or 'tvrl', got {credit!r}")
-if kl_update not in ('step', 'backward') or prompt_noise not in ('fresh', 'fixed') or median not in MEDIANS:
-    raise SystemExit(f"kl_update must be 'step' or 'backward', prompt_noise 'fresh' or 'fixed', median one of {MEDIANS}")
-if group_size < 2:
-    raise SystemExit(f'group_size must be at least 2 (GRPO compares rollouts of a prompt), got {group_size}')
 
 # distributed setup: torchrun's environment, or one plain process
 ddp = 'RANK' in os.environ
@@ -226,8 +220,8 @@ ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) 
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing)
 if sp_mesh:  # every forward splits its tokens over the sp group (FSDP still shards over all ranks)
     sp.enable(policy, sp_mesh)
-params = [p for p in policy.parameters() if p.requires_grad]
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW] or [AdamW]
+params = [p for o in optimizers for g in o.param_groups for p in g['params']]  # sharded under FSDP2 (optimizer.py)
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
 controller = KLController(lam_max=kl_max, target=kl_target, direction=kl_direction)
 decode = load_decoder(model, device)
@@ -237,20 +231,20 @@ else:
     from reward import load_videoalign
     reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
 try:  # frozen watchers for reward hacking, scored at held-out evaluation only
-    from metrics import load_metrics
-    visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, device)  # {name: score_fn}
+    from metrics import load_metrics, move as move_metrics  # on the CPU, on the GPU only in evaluate()
+    visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, 'cpu')  # {name: score_fn}
 except (OSError, ValueError) as e:
     raise SystemExit(f'eval_metrics: {e} (--eval_metrics= switches them off)')
 
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w)
 sigmas = sde.sigmas(num_steps, shift).to(device)        # (N + 1,) from 1.0 to 0.0
-S = (scales(sampler, sigmas.cpu(), eta, median) if equalizer else torch.ones(num_steps)).to(device)  # (N,) S_t
-trained_steps = [i for i in range(num_steps) if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
-n_train = max(1, round(timestep_fraction * len(trained_steps)))
+eval_sigmas = sde.sigmas(eval_steps or num_steps, shift).to(device)  # the held-out evaluation's ODE schedule
+stochastic = [i for i in range(num_steps) if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
+n_train = max(1, round(timestep_fraction * min(sde_window or num_steps, len(stochastic))))
 use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('stepwise', 'dual')
 w_pos, w_vel = beta_pos * use_pos, beta_vel * use_vel  # 'moving' is the position term alone
 
-iter_num, opt_steps = 0, 0
+iter_num, opt_steps, passes = 0, 0, dict.fromkeys(PASS_KINDS, 0)  # transformer passes by kind, all ranks (model.count_passes)
 for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into the sharded policy
     try:
         loop = checkpoint.load(ckpt, policy, optimizers, anchor)
@@ -261,7 +255,7 @@ for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into th
             print(f'warning: checkpoint {ckpt} is damaged ({type(e).__name__}): falling back to {ckpts[i + 1]}')
         continue
     controller.load_state_dict(loop['controller'])
-    iter_num, opt_steps = loop['iter_num'], loop['opt_steps']
+    iter_num, opt_steps, passes = loop['iter_num'], loop['opt_steps'], loop.get('passes', passes)
     if master:
         print(f'resumed from {ckpt} at iteration {iter_num}' + (' (the newest intact checkpoint)' if i else ''))
     break
@@ -274,15 +268,17 @@ def text_for(prompts):
 def evaluate():
     """ODE samples of the held-out prompts with fixed seeds; mean rewards over all ranks."""
     policy.eval()
+    move_metrics(visual, device)
     items = len(eval_list) * eval_samples  # item i: prompt i % len(eval_list), seed mix(seed, 'eval', i)
-    mine = list(range(dp_rank, items, dp_world))  # an sp group samples together, its first rank scores
+    # every rank runs as many batches (FSDP): items padded to a multiple of dp_world (an sp group's first rank scores)
+    mine = list(range(dp_rank, -(-items // dp_world) * dp_world, dp_world))
     rows = []
     for c in range(0, len(mine), rollout_batch):
         idx = mine[c:c + rollout_batch]
         prompts = [eval_list[i % len(eval_list)] for i in idx]
         gens = generators([mix(seed, 'eval', i) for i in idx])
         text, text_neg = text_for(prompts)
-        x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, 'ode', 0.0, gens)
+        x, _ = sample(policy, noise(shape, gens, device), eval_sigmas, text, cfg, text_neg, 'ode', 0.0, gens)
         if rank % sp_size:
             continue
         frames = decode(x)
@@ -291,23 +287,26 @@ def evaluate():
         if manifold_distance is not None:
             sc['manifold'] = manifold_distance(frames)
         sc.update({k: fn(frames, prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
-        rows += [{k: float(v[j]) for k, v in sc.items()} for j in range(len(idx))]
+        rows += [(i, {k: float(v[j]) for k, v in sc.items()}) for j, i in enumerate(idx) if i < items]
         for j, i in enumerate(idx):
-            if master and i < eval_videos * dp_world:
+            if master and i < min(items, eval_videos * dp_world):
                 os.makedirs(os.path.join(out_dir, 'eval'), exist_ok=True)
                 save_mp4(frames[j], os.path.join(out_dir, 'eval', f'iter{iter_num:06d}_{i}.mp4'), fps)
     if ddp:
         parts = [None] * world
         dist.all_gather_object(parts, rows)
         rows = [r for p in parts for r in p]
+    rows = [r for _, r in sorted(rows, key=lambda r: r[0])]  # item order: the same means on any world size
+    count_passes(passes, ('eval',), device)
     policy.train()
+    move_metrics(visual, 'cpu')
     return {k: torch.tensor([r[k] for r in rows]).nanmean().item() for k in rows[0]}  # NaN: unscored video
 
 
 def save_checkpoint():
     """Collective: each rank writes its shards (checkpoint.py), rank 0 publishes atomically."""
     checkpoint.save(os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}'), policy, optimizers,
-                    anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world,
+                    anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world, passes=passes,
                                               controller=controller.state_dict(), config=config),
                     keep=keep_checkpoints)
 
@@ -348,11 +347,12 @@ def grad_norm():
 
 
 def grad_norm_of(loss):
-    """Backward one loss alone and return its gradient's global norm (leaves .grad empty)."""
-    policy.zero_grad(set_to_none=True)
-    loss.backward()
-    n = grad_norm() * sp_size  # FSDP averages over all ranks, and an sp group's ranks share one clip
-    policy.zero_grad(set_to_none=True)
+    """Backward the first sp group's loss alone and return its gradient's global norm (leaves .grad empty).
+    Every rank runs the backward (FSDP's collectives), which averages over ranks: that group's counts world times."""
+    zero_grad(optimizers)
+    (loss * (world if dp_rank == 0 else 0)).backward()
+    n = grad_norm()
+    zero_grad(optimizers)
     return n
 
 
@@ -379,6 +379,8 @@ policy.train()
 while iter_num < max_iters:
     t0 = time.time()
     # ---- rollout: G clips per prompt, keeping per step what training needs
+    trained_steps = sde.window(stochastic, sde_window, mix(seed, 'window', iter_num))  # stochastic and trained
+    S = (scales(sampler, sigmas.cpu(), eta, median, trained_steps) if equalizer else torch.ones(num_steps)).to(device)  # (N,)
     g = torch.Generator().manual_seed(mix(seed, 'prompts', iter_num))
     chosen = (torch.randperm(len(train_list), generator=g)[:prompts_per_iter] if prompts_per_iter <= len(train_list)
               else torch.randint(len(train_list), (prompts_per_iter,), generator=g)).tolist()
@@ -392,11 +394,13 @@ while iter_num < max_iters:
             [prompt_seeds[p] + i % group_size if p in prompt_seeds else mix(seed, 'noise', p, i % group_size)
              for p, i in zip(prompts[c:c + rollout_batch], idx)]), device)
         text, text_neg = text_for(prompts[c:c + rollout_batch])
-        x, rec = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True)
+        x, rec = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True, window=trained_steps)
         traj.append(rec)
         latents.append(x)
     clips = {k: torch.cat([r[k] for r in traj]) for k in traj[0]}  # xs (n, N+1, C, F, h, w), ...
     clips['prompts'] = prompts
+    del traj, rec, x  # torch.cat copied them: one copy of the rollout tensors lives through the update
+    count_passes(passes, ('rollout',), device)
     t1 = time.time()
 
     # ---- reward: decode and score in memory, each clip once (sp.spread shares them over an sp group)
@@ -407,6 +411,7 @@ while iter_num < max_iters:
             clips['logps'][:, t] = sde.log_prob(clips['xs'][:, t + 1], clips['means'][:, t], clips['stds'][:, t],
                                                 clips['credit'])
     r_local = combine(scores, reward_weights).float().to(device)   # (n,)
+    del latents  # the update does not need them (the final latents are clips["xs"][:, -1])
     t2 = time.time()
 
     # ---- advantage: over each whole group, even when it spans ranks; a NaN reward drops that member
@@ -422,7 +427,7 @@ while iter_num < max_iters:
     clips['valid'] = valid.flatten()[dp_rank * n_local:(dp_rank + 1) * n_local].float()
 
     # ---- diagnostics: gradient norm of one clip's policy loss at the first and last trained step
-    diag = {} if credit == 'none' else {'credit_peak': clips['credit'].flatten(1).amax(1).mean().item()}  # mean max weight
+    diag = {} if credit == 'none' else {'credit_peak': mean_all(clips['credit'].flatten(1).amax(1).mean())}  # mean max weight
     if diag_every and iter_num % diag_every == 0:
         b = [0]
         for name, t in (('first', trained_steps[0]), ('last', trained_steps[-1])):
@@ -436,6 +441,7 @@ while iter_num < max_iters:
             _, terms = step_loss(b, torch.tensor([t]), clips)
             g_kl = grad_norm_of(controller.value * (w_pos * terms.kl_pos + w_vel * terms.kl_vel).sum())
             diag['kl_grad_ratio'] = g_kl / max(g_pg, 1e-30)
+    count_passes(passes, ('diag_anchor', 'diag'), device)
 
     # ---- update: every trained step of every clip, in a random order per clip
     order = torch.stack([torch.tensor(trained_steps)[torch.randperm(len(trained_steps), generator=torch.Generator()
@@ -444,7 +450,7 @@ while iter_num < max_iters:
     chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
     bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
     for chunk in chunks:
-        policy.zero_grad(set_to_none=True)
+        zero_grad(optimizers)  # never policy.zero_grad() under FSDP2 (optimizer.py)
         mbs = [chunk[i:i + train_batch] for i in range(0, len(chunk), train_batch)]
         denom = denominator(valid.sum().item(), n_train, world, len(chunks))  # FSDP averages over ranks
         kl_chunk = []
@@ -466,12 +472,14 @@ while iter_num < max_iters:
         stats['grad_norm'] += float(gn.full_tensor() if isinstance(gn, DTensor) else gn) / len(chunks)
         for o in optimizers:
             o.step()
+        zero_grad(optimizers)  # freed now: gradients do not live through the next rollout and eval
         opt_steps += 1
         # ---- anchor and lambda_KL: once per optimizer step, from the KL observed over all ranks
         if kl_update == 'step':
             controller.update(mean_all(sum(kl_chunk) / len(kl_chunk)))
         anchor.maybe_refresh(policy, opt_steps)
     bar.close()
+    count_passes(passes, ('anchor', 'update'), device)
     t3 = time.time()
     iter_num += 1
 
@@ -479,12 +487,12 @@ while iter_num < max_iters:
     rs = torch.cat([gather(scores[k].float().to(device)) for k in ('VQ', 'MQ', 'TA')]).view(3, -1)
     mem = gather(torch.tensor([torch.cuda.max_memory_allocated() if 'cuda' in str(device) else  # bytes, per rank
                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], device=device), None) / 2 ** 30
-    row = dict(iter=iter_num, loss=mean_all(stats['loss']) * dp_world / sp_size, reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
+    row = dict(iter=iter_num, loss=mean_all(stats['loss']) / sp_size, reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
                MQ=torch.nanmean(rs[1]).item(), TA=torch.nanmean(rs[2]).item(),
                group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
                nan_rewards=int((~valid).sum()), kl_pos=mean_all(stats['kl_pos']), kl_vel=mean_all(stats['kl_vel']),
                lambda_kl=controller.value, clipfrac=mean_all(stats['clipfrac']), grad_norm=stats['grad_norm'],
-               **diag, t_rollout=t1 - t0, t_reward=t2 - t1, t_update=t3 - t2,
+               **diag, **{f'passes_{k}': n for k, n in passes.items()}, t_rollout=t1 - t0, t_reward=t2 - t1, t_update=t3 - t2,
                peak_mem_gb=mem.max().item(), peak_mem_gb_ranks=mem.tolist())  # the worst rank, and each
     if master:
         print(f"iter {iter_num}: reward {row['reward']:.4f} (VQ {row['VQ']:.3f} MQ {row['MQ']:.3f} "

@@ -380,11 +380,11 @@ def main():
                        quick=quick), f, indent=1)
     if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
         # the tables and how they were measured stay in results/checkpoint.md; the README quotes the headlines
-        bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')]
+        bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')][-1:]  # the last: 8.3B on a node of 8 GPUs
         C.put_block('README.md', 'bench.checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
             f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
             f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) + '.',
-            '', 'How these were measured, and every config: [results/checkpoint.md](results/checkpoint.md).'])
+            '- How these were measured, and every config: [results/checkpoint.md](results/checkpoint.md).'])
     print(text)
 
 

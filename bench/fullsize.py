@@ -443,6 +443,32 @@ def estimate():
     print(f'wrote {out_dir}/fullsize.md and fullsize.json in {time.time() - t0:.0f}s')
 
 
+FWD_BWD = ('update', 'diag')  # the kinds of train.py's pass count (model.PASS_KINDS) with a backward
+
+
+def flops_per_pass(size=(352, 624), path=os.path.join('results', 'fullsize.json')):
+    """FLOPs of one transformer pass at full size (one clip, one CFG branch, 81 frames at `size`),
+    measured by this bench (full fine-tune, 8 GPUs): a forward as in rollouts and evaluation, the
+    anchor's forward, and a forward + backward of the update (its block recompute included)."""
+    with open(path) as f:
+        out = json.load(f)
+    run = lambda what: next(r for r in out['runs'] if r['world'] and r['what'] == what and
+                            (r['height'], r['width']) == tuple(size))
+    tr, ro = run('train')['phases'], run('rollout')['phases']
+    n = 2 * out['config']['rollout_batch']  # clips x CFG branches of the measured rollout forward
+    return dict(forward=ro['rollout forward']['flops'] / n, anchor=tr['anchor forward']['flops'] / 2,  # 1 clip, 2 branches
+                train=(tr['policy forward']['flops'] + tr['backward']['flops']) / 2)
+
+
+def gpu_hours(passes, size=(352, 624), tflops=tflops, path=os.path.join('results', 'fullsize.json')):
+    """GPU-hours at full size of transformer passes counted by kind ({kind: passes}, train.py's
+    passes_* in metrics.jsonl, or bench/compute.py's count of a setting): each pass costs what
+    flops_per_pass measured, at `tflops` sustained TFLOP/s per GPU (an assumption, not a measurement)."""
+    f = flops_per_pass(size, path)
+    cost = lambda k: f['train'] if k in FWD_BWD else f['anchor'] if 'anchor' in k else f['forward']
+    return sum(n * cost(k) for k, n in passes.items()) / (tflops * 1e12) / 3600
+
+
 def summary(out):
     """The README's block: each run's measured peak per GPU next to the formula's total."""
     runs, extras = out['runs'], sum(out['extras'].values())

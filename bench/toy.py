@@ -13,8 +13,10 @@ installed); every finished cell is cached as results/cells/<name>.json and skipp
     python -m bench.toy --budget_min=40          # start no new training run after 40 minutes
     python -m bench.toy --sections=3 --ablations=f --reverse=True   # a second process, meeting the first halfway
 
-Writes README.md's results block (between its bench:begin/end markers) from the same numbers, so the
-README never quotes a figure by hand.
+    python -m bench.toy --sections=             # no measuring: results/README.md and the README block from bench.json
+
+Writes README.md's results block (between its bench.toy markers: the default run and Fig. 4, a line
+each) from the same numbers, so the README never quotes a figure by hand; the rest is results/README.md.
 
 Sections (the numbers of the README's tables):
  0. the toy world: the base model's held-out ODE samples next to clean renders and pure noise, and
@@ -52,7 +54,7 @@ import equalizer
 import model as M
 import sde
 import toy
-from configurator import configure
+from configurator import configure, list_of
 
 # ----------------------------------------------------------------------------- settings
 out = 'results'                 # output folder: bench.json, README.md, *.png, cells/ (committed), runs/ (not)
@@ -79,7 +81,7 @@ cost_iters = 4                  # iterations of the section-4 timing run (the fi
 _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --sections=1,2 stay strings
          f"{a.split('=')[0]}={a.split('=', 1)[1]!r}" if a.split('=')[0] in ('--sections', '--ablations') else a
          for a in sys.argv[1:]]
-config = configure(globals(), _argv)
+config = configure(globals(), _argv, rules=dict(sections=list_of(*'012345'), ablations=list_of(*'abcdefgh')))
 # -----------------------------------------------------------------------------
 if quick:  # every section, tiny: a smoke test of the whole bench, never over the committed results
     out = os.path.join(tempfile.gettempdir(), 'bench_quick') if out == 'results' else out
@@ -722,28 +724,10 @@ if prev.get('model_hash') == MODEL_HASH and prev.get('config', {}).get('quick') 
     for k, lines in prev.get('markdown', {}).items():  # --sections=...: the others stay as last written
         if k not in by_num:
             by_num[k], R[k] = lines, prev.get(k)
-keep = C.get_block(os.path.join(out, 'README.md'), 'bench.verdicts')  # section 6: bench/verdicts.py's block
-with open(os.path.join(out, 'README.md'), 'w') as f:
-    f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
-if keep is not None:
-    C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', keep)
-with open(os.path.join(out, 'bench.json'), 'w') as f:
-    json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
-
-
-def md_table(lines, header, nth=0):
-    """The nth Markdown table of lines whose header row starts with `header`."""
-    starts = [i for i, l in enumerate(lines) if l.startswith(header)]
-    if len(starts) <= nth:
-        return []
-    i, j = starts[nth], starts[nth]
-    while j < len(lines) and lines[j].startswith('|'):
-        j += 1
-    return lines[i:j] + ['']
 
 
 def findings():
-    """The README's findings from section 2 and the section-3 ablations, each sentence from their numbers."""
+    """The findings of section 2 and the section-3 ablations, each sentence from their numbers."""
     mean, sci = lambda xs: sum(xs) / len(xs), lambda x: f'{x:.0e}'.replace('e-0', 'e-').replace('e+00', '')
     p3, st, out_ = R.get('3') or {}, (R.get('2') or {}).get('stats'), []
     if st:
@@ -774,29 +758,25 @@ def findings():
     return out_
 
 
+found = findings()  # the sections' conclusions in a sentence each: the first part of results/README.md
+if found:
+    head += ['## Findings', '', f'Sections 2 and 3 in a sentence each (section 3: {train_iters} iterations x '
+             f'{seeds} seeds of every switch, parts (a)-(h); the paired 5-seed verdicts are section 6); the tables '
+             'follow.', ''] + found + ['']
+keep = C.get_block(os.path.join(out, 'README.md'), 'bench.verdicts')  # section 6: bench/verdicts.py's block
+with open(os.path.join(out, 'README.md'), 'w') as f:
+    f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
+if keep is not None:
+    C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', keep)
+with open(os.path.join(out, 'bench.json'), 'w') as f:
+    json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
+
+
 def readme_block():
-    """The README's numbers, from this run's results: its block `bench`."""
-    get = lambda k: by_num.get(k, [])
-    out_ = ['']
-    if get('0'):  # the toy world: its base model and the default run
-        out_ += get('0')[2:]
-    if get('2'):
-        out_ += ['**Fig. 4** (bench section 2): measured ||d logp_t / d theta|| per step vs the proxy N_t; max/min '
-                 'over steps of the per-step gradient norm without and with the equalizer\'s S_t (toy schedule; '
-                 'sage@spec: the paper\'s 20 steps).', ''] + md_table(get('2'), '| kind | log-log slope')
-    if get('1'):  # the rollout tables: results/README.md section 1
-        out_ += ['**Samplers** (bench section 1; the rollout tables at eta 0.5 and at matched exploration are in '
-                 'results/README.md): ' + ' '.join(l for l in get('1') if l.startswith('Manifold distance minus')), '']
-    found = findings()  # the ablation tables are long: results/README.md; the README quotes bench/verdicts.py's verdicts
-    if found:
-        out_ += ['**Findings** (bench section 2, and section 3: 15 iterations x 3 seeds of every switch, parts (a)-(h), '
-                 'its tables and curves in results/README.md; the paired 5-seed verdicts are below):', ''] + found + ['']
-    if get('4'):
-        out_ += ['**Cost** (bench section 4, toy, 2 shared CPU cores):', ''] + md_table(get('4'), '| run |') + \
-                [l for l in get('4') if l.startswith('The transformer passes')] + ['']
-    if 'muon' in (R.get('5') or {}):  # the full-size table itself is bench/fullsize.py's own README block
-        out_ += [l for l in get('5') if l.startswith('Muon (the released optimizer')] + ['']
-    return out_
+    """The README's headline figures, from this run's results: the default run and Fig. 4, a line each;
+    every table and the other findings are results/README.md's."""
+    run = [l for l in by_num.get('0', []) if l.startswith('`python train.py config/toy.py`')]
+    return ['- ' + l for l in run] + [f for f in found if f.startswith('- *Fig. 4*')]
 
 
 if not quick and out == 'results' and os.path.exists('README.md'):

@@ -209,11 +209,24 @@ def grouped(items):
                      for w in order if any(v == w for _, v, _ in items))
 
 
+def short_row(head, items):
+    """[(other, verdict, ci)] -> one row of the README's table: the claim, then the cells it holds, fails
+    and cannot be told against (each with the mean paired difference when decided)."""
+    cols = {'holds': [], 'fails': [], 'open': []}
+    for b, v, ci in items:
+        b = b.split(' (')[0]  # 'none (kl_max 1, 2 updates)' -> 'none': the claim names the setting
+        if v in ('holds', 'fails'):
+            cols[v].append(f'{b} ({ci["mean"]:+.{1 if abs(ci["mean"]) >= 1 else 3}f})')
+        else:
+            cols['open'].append(b + ('' if v == 'cannot be told' else f' ({v})'))
+    return [head] + [', '.join(c) or '-' for c in cols.values()]
+
+
 def report(cs):
     runs = {label: [C.cached(name(ov, s)) for s in range(seeds)] for label, ov in cs.items()}
     have = {k: sum(r is not None for r in v) for k, v in runs.items()}
     mean = lambda xs: sum(xs) / len(xs) if xs else float('nan')
-    res = dict(config=config, cells={}, comparisons={}, claims=[])
+    res = dict(config=config, cells={}, comparisons={}, claims=[], short=[])  # short: the README's table
     md = ['## 6. Decisive verdicts: paired seeds (`python -m bench.verdicts`)', '',
           f'{iters} iterations of `train.py config/toy.py` ({prompts} prompts x G=4 = {4 * prompts} clips an iteration '
           f'unless stated), seeds 0..{seeds - 1}; held-out ODE evaluation (16 prompts x 2 seeds) every {eval_every} '
@@ -253,6 +266,9 @@ def report(cs):
                                                         for mt in metrics])
         res['comparisons'][k] = {f'{a} vs {b}': v for (a, b), v in found.items()}
         claims = [(b, verdict(v['composite']), fmt(v['composite'])) for (a, b), v in found.items() if (a, b) not in NO_CLAIM]
+        res['short'].append(short_row(f'{k}. {claim} ({title.split(" (")[-1]}',  # the paper's table or figure
+                                      [(b, verdict(v['composite']), v['composite'])
+                                       for (a, b), v in found.items() if (a, b) not in NO_CLAIM]))
         sentence = f'**{k}. {title}**, *{claim}* (held-out composite): {grouped(claims)}.'
         extra = [f'{b} vs {a}: {fmt(v["composite"])} for {a} (no claim: what more samples give sage)'
                  for (a, b), v in found.items() if (a, b) in NO_CLAIM and v['composite']['n'] > 1]
@@ -282,7 +298,7 @@ def report(cs):
                 ss = [s for s in range(seeds) if runs[ref][s] and runs[label][s]]
                 ci = paired([first_reach(runs[label][s], t) for s in ss], [first_reach(runs[ref][s], t) for s in ss])
                 res['comparisons'].setdefault(5, {})[f'{label} to {t}'] = ci
-                parts.append((t, label, verdict(ci), fmt(ci, 1)))
+                parts.append((t, label, verdict(ci), fmt(ci, 1), ci))
                 row += [fmt(ci, 1) + f' {verdict(ci)}']
             else:
                 row += ['']
@@ -295,7 +311,9 @@ def report(cs):
                                                                                   f'Δ iters to {t} [95%]')], rows), '']
     for t in thresholds:
         res['claims'].append(f'**5. Speed to {t}**, *the reference gets there sooner* (paired iterations): ' +
-                             grouped([p[1:] for p in parts if p[0] == t]) + '.')
+                             grouped([p[1:4] for p in parts if p[0] == t]) + '.')
+        res['short'].append(short_row(f'5. the reference reaches {t} sooner (iterations)',
+                                      [(p[1], p[2], p[4]) for p in parts if p[0] == t]))
         md += [res['claims'][-1], '']
     plots(runs, cs)
     md += ['Plots: `verdict_1.png` .. `verdict_5.png` (paired-difference curves over iterations with their 95% bands; '
@@ -363,5 +381,14 @@ if __name__ == '__main__':
         f.write('\n'.join(md[:1] + [''] + note + md[2:]) + '\n')
     C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', md[:1] + [''] + note + md[2:])
     if out == 'results' and os.path.exists('README.md'):
-        C.put_block('README.md', 'bench.verdicts', note + ['- ' + c for c in res['claims']])
+        # the README: one row a claim; the intervals and every cell are results/README.md section 6
+        cols = [i for i in range(4) if any(r[i] != '-' for r in res['short'])]  # no 'fails vs' column if none fails
+        C.put_block('README.md', 'bench.verdicts', note + [table(
+            [['claim', 'holds vs', 'fails vs', 'cannot be told vs'][i] for i in cols],
+            [[r[i] for i in cols] for r in res['short']]), '',
+            f'Reference: sage + equalizer + dual KL, each of {seeds} seeds paired with the same seed of the other cell; '
+            'a claim holds if the 95% interval of the per-seed difference is above 0, fails if below (in brackets: the '
+            f'mean difference, positive = the reference is better: held-out composite over iterations '
+            f'{iters - late_iters}..{iters}; for 5, iterations to the threshold); 3 at kl_max {tr_kl_max:g} and '
+            f'{tr_updates} optimizer steps an iteration. The intervals, every cell and the curves: results/README.md section 6.'])
     print('\n'.join(res['claims']))

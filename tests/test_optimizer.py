@@ -4,7 +4,10 @@
   weights to float tolerance, for 'muon' and 'adamw' (tests/fsdp_muon_worker.py);
 - the check has teeth: torch.optim.Muon as it ships (Newton-Schulz through DTensor's op dispatch on
   the sharded momentum) fails it;
-- the split: 2-D matrices to Muon with the released lr rule, everything else to AdamW.
+- the split: 2-D matrices to Muon with the released lr rule, everything else to AdamW;
+- Muon.step itself, in one process: 3 steps equal torch.optim.Muon's with the released settings, and
+  the released rule written out here (Nesterov momentum, 5 Newton-Schulz iterations, lr * 0.2 *
+  sqrt(max(A, B)), decoupled decay) to bf16 accuracy; nesterov=False or the plain lr fails both.
 
     python -m pytest tests/test_optimizer.py
 """
@@ -55,3 +58,53 @@ def test_split_and_lr_rule():
     assert math.isclose(_adjust_lr(1e-5, ADJUST_LR, torch.Size([3072, 12288])), 1e-5 * 0.2 * math.sqrt(12288))
     (only,) = build(net, 'adamw', 1e-5, 0.01)
     assert isinstance(only, torch.optim.AdamW) and len(only.param_groups[0]['params']) == 7
+
+
+def released_muon(weights, grads, lr, wd, mu=0.95, steps=5, eps=1e-7):
+    """The released Muon rule as optimizer.py's docstring and shared/SPEC.md section 8 state it (Keller
+    Jordan's Muon with the 0.2 sqrt(max(A, B)) lr): momentum as a sum, buf = mu buf + g (torch keeps an
+    EMA: the same direction), Nesterov update u = g + mu buf; u / ||u||_F in bf16, the short side first;
+    5 quintic Newton-Schulz iterations X <- a X + (b A + c A^2) X, A = X X^T, (a, b, c) = (3.4445,
+    -4.7750, 2.0315); decay W <- W (1 - lr wd), then W <- W - lr 0.2 sqrt(max(A, B)) X."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    weights, bufs = [w.clone() for w in weights], [torch.zeros_like(w) for w in weights]
+    for step_grads in grads:
+        for w, buf, g in zip(weights, bufs, step_grads):
+            buf.mul_(mu).add_(g)
+            u = (g + mu * buf).bfloat16()
+            x = u.T if u.shape[0] > u.shape[1] else u
+            x = x / (x.norm() + eps)
+            for _ in range(steps):
+                gram = x @ x.T
+                x = a * x + (b * gram + c * gram @ gram) @ x
+            x = (x.T if u.shape[0] > u.shape[1] else x).float()
+            w.mul_(1 - lr * wd).sub_(lr * 0.2 * math.sqrt(max(w.shape)) * x)
+    return weights
+
+
+def test_muon_step_matches_torch_and_the_released_rule():
+    # optimizer.build's Muon, 3 steps on plain tensors (a wide and a tall matrix, fresh gradients
+    # each step) vs (a) torch.optim.Muon with the released settings written here and (b) the released
+    # rule from scratch. Fails with nesterov=False in build (steps 2, 3 differ) and with the plain lr in
+    # Muon.step (0.2 sqrt(64) = 1.6x: the update's size is off by 60%), each at (a) and at (b).
+    from optimizer import build
+    lr, wd = 0.02, 0.1
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(32, 64, generator=gen), torch.randn(64, 16, generator=gen)]  # (A, B), both sides 64 max
+    grads = [[torch.randn(w.shape, generator=gen) for w in start] for _ in range(3)]
+    ours, theirs = torch.nn.ParameterList([w.clone() for w in start]), [torch.nn.Parameter(w.clone()) for w in start]
+    (muon,) = build(ours, 'muon', lr, wd)  # only 2-D matrices: no AdamW part
+    torch_muon = torch.optim.Muon(theirs, lr=lr, weight_decay=wd, momentum=0.95, nesterov=True,
+                                  adjust_lr_fn='match_rms_adamw')
+    for step_grads in grads:
+        for opt, ws in ((muon, list(ours)), (torch_muon, theirs)):
+            for w, g in zip(ws, step_grads):
+                w.grad = g.clone()
+            opt.step()
+    reference = released_muon(start, grads, lr, wd)
+    for w0, w, t, r in zip(start, ours, theirs, reference):
+        diff = (w - t).abs().max().item()
+        assert diff < 1e-6, diff  # the same arithmetic as torch's step (measured: 0)
+        moved, want = (w - w0).detach(), r - w0  # what 3 steps changed: decay + 3 updates
+        err = ((moved - want).norm() / want.norm()).item()
+        assert err < 5e-2, err  # ~0.02: bf16 Newton-Schulz in another order; nesterov=False gives 0.21, the plain lr 0.29

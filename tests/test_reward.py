@@ -256,6 +256,22 @@ def test_group_advantages_with_nan_and_degenerate_groups():
     assert adv[0].sum().abs() < 1e-6 and abs(adv[0].pow(2).mean().item() - 1) < 1e-5  # zero mean, unit variance
 
 
+
+def test_group_advantages_rounding_noise_is_no_signal():
+    # rewards 1e-8 apart (std 5e-9 <= eps 1e-6): rounding noise of the reward model, not a ranking.
+    # (r - mean) / max(std, eps) alone would give +-0.005 (and +-1 without the floor); the std <= eps
+    # rule gives exactly 0. A group 1e-5 apart (std 5e-6 > eps) is a real signal: +-1.
+    lo = 1e-3
+    r = torch.tensor([[lo, lo + 1e-8, lo, lo + 1e-8],
+                      [0.7, 0.7 + 6e-8, 0.7, 0.7],          # a float32 step apart at 0.7
+                      [lo, lo + 1e-5, lo, lo + 1e-5]])
+    assert r[0, 1] != r[0, 0] and r[1, 1] != r[1, 0]  # the noise is really there, in float32
+    adv, valid, std = reward.group_advantages(r)
+    assert 0 < std[0].item() < 1e-6 and 0 < std[1].item() < 1e-6 and std[2].item() > 1e-6
+    assert torch.equal(adv[:2], torch.zeros(2, 4)), adv
+    assert torch.allclose(adv[2], torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-3), adv
+
+
 # ---- preprocessing ------------------------------------------------------------------------------
 
 

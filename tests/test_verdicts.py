@@ -102,6 +102,8 @@ def test_report_of_fabricated_cells(tmp_path):
     assert abs(sum(sage_f) / 5 - sum(flow_f) / 5) < half
     assert bv.verdict(c1['sage vs dance']['composite']) == 'fails'
     assert bv.verdict(c1['sage vs dance']['manifold']) == 'fails'  # the mirrored manifold: lower is better
+    row = res['short'][0]  # the README's short form of claim 1: holds vs, fails vs, cannot be told vs
+    assert row[1].startswith('flow (+0.0') and row[2].startswith('dance (-') and 'cps' in row[3]
     md = (tmp_path / 'README.md').read_text()
     assert '<!-- bench.verdicts:begin' in md and 'holds vs flow' in md and 'fails vs dance' in md
     assert 'dance matched' not in res['cells']  # section 1 found no eta within 10% for dance

@@ -1,0 +1,173 @@
+"""
+Settings out of range or misspelt (configurator.RULES) stop train.py, sample.py and the benches with
+one line that names the setting, the value and what is allowed, before anything is loaded or
+written:
+- every range and every list of names, each with a bad value and a good value at the edge of the
+  range, run through the real scripts in this process (runpy: the imports are paid once), stopped
+  right after their settings block by a sentinel; the expected limits are written out here, not
+  read from the table;
+- the cases of issue 26 as a user runs them (subprocesses): a one-line message, no traceback, and
+  out_dir exactly as it was.
+"""
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Passed(Exception):
+    """Raised by the first thing a script does after its settings: the values were accepted."""
+
+
+def stop(*args, **kwargs):
+    raise Passed
+
+
+# (setting, bad values, a good value at the edge, words of what is allowed) of train.py
+TRAIN = [
+    ('num_steps', [0, -3], 1, 'at least 1'),
+    ('eta', [0.0, -1.0], 1e-3, 'greater than 0'),  # train.py: at eta 0 no step is stochastic
+    ('timestep_fraction', [0.0, 1.5], 1.0, 'greater than 0 and at most 1'),
+    ('clip_range', [0.0, -1e-4], 1e-6, 'greater than 0'),
+    ('group_size', [1, 0], 2, 'at least 2'),
+    ('learning_rate', [0.0, -1e-5], 1e-8, 'greater than 0'),
+    ('num_frames', [80, 0, 2], 5, '1 + 4k'),
+    ('height', [40, 0], 16, 'multiple of 16'),
+    ('width', [100, -16], 32, 'multiple of 16'),
+    ('shift', [0.0], 0.5, 'greater than 0'),
+    ('cfg', [0.5, 0.0], 1.0, 'at least 1'),
+    ('fps', [0], 1, 'greater than 0'),
+    ('prompts_per_iter', [0], 1, 'at least 1'),
+    ('rollout_batch', [0], 1, 'at least 1'),
+    ('train_batch', [0], 1, 'at least 1'),
+    ('updates_per_iter', [0], 1, 'at least 1'),
+    ('adv_clip', [0.0], 0.1, 'greater than 0'),
+    ('anchor_every', [0], 1, 'at least 1'),
+    ('beta_pos', [-1.0], 0.0, 'at least 0'),
+    ('beta_vel', [-0.1], 0.0, 'at least 0'),
+    ('kl_max', [0.0], 1e-9, 'greater than 0'),
+    ('kl_target', [-1e-5], 1e-9, 'greater than 0'),
+    ('weight_decay', [-0.01], 0.0, 'at least 0'),
+    ('grad_clip', [0.0], 0.5, 'greater than 0'),
+    ('lora_rank', [-1], 0, 'at least 0'),
+    ('max_iters', [-1], 0, 'at least 0'),
+    ('eval_every', [-1], 0, 'at least 0'),
+    ('eval_samples', [0], 1, 'at least 1'),
+    ('eval_videos', [-1], 0, 'at least 0'),
+    ('save_every', [-1], 0, 'at least 0'),
+    ('keep_checkpoints', [0], 1, 'at least 1'),
+    ('diag_every', [-1], 0, 'at least 0'),
+    ('sampler', ['fast', 'ode', 'SAGE'], 'cps', "'sage', 'cps'"),
+    ('kl_strategy', ['dul', ''], 'stepwise', "'none', 'fixed', 'stepwise', 'moving', 'dual'"),
+    ('optimizer', ['sgd'], 'muon', "'muon', 'adamw'"),
+    ('median', ['upper'], 'lower', "'mean_of_middle', 'lower'"),
+    ('credit', ['tvr'], 'tvrl', "'none', 'tvrl'"),
+    ('credit_granularity', ['pixel'], 'frame', "'window', 'frame'"),
+    ('credit_window', [(1, 2, 3), (1, 3), (0, 1, 1)], (1, 1, 1), '3 odd sizes'),
+    ('kl_update', ['iter'], 'backward', "'step', 'backward'"),
+    ('prompt_noise', ['same'], 'fixed', "'fresh', 'fixed'"),
+    ('init_from', ['latest'], 'resume', "'scratch', 'resume'"),
+    ('reward_model', ['clip'], 'videoalign', "'videoalign', 'toy'"),
+    ('device', ['gpu', 'cuda:0'], 'cpu', "'cuda', 'cpu'"),
+    ('export_dtype', ['fp16'], '', "'bfloat16', 'float16', 'float32', ''"),
+    ('eval_metrics', ['clip', 'clipscore,pick'], 'pickscore, clipscore', "'clipscore', 'pickscore'"),
+    ('kl_direction', [0, 2], -1, 'one of 1, -1'),
+    ('reward_weights', [(1.0, 1.0), (1.0, -1.0, 1.0)], (0.0, 0.0, 1.0), '3 weights'),
+]
+# sample.py: its own sampler list (ODE) and eta 0; prompts that name a missing file
+SAMPLE = [
+    ('sampler', ['fast', 'euler'], 'ode', "'ode', 'dance', 'flow', 'sage', 'cps'"),
+    ('eta', [-1.0, -1e-9], 0.0, 'at least 0'),
+    ('num_steps', [0], 1, 'at least 1'),
+    ('num_prompts', [0], 1, 'at least 1'),
+    ('num_frames', [4], 1, '1 + 4k'),
+    ('height', [24], 48, 'multiple of 16'),
+    ('prompts', ['prompts/missing.txt', 'missing.csv', 'nowhere/a red circle'], 'a red circle moving left',
+     'file not found'),
+]
+BENCH = [('sections', ['7', '1,9'], '0,5', "'0', '1'"), ('ablations', ['z'], 'a,h', "'a', 'b'"),
+         ('threads', [0], 1, 'at least 1'), ('seeds', [0], 1, 'at least 1'), ('eta', [-0.5], 0.5, 'greater than 0')]
+
+
+def fmt(v):  # the command-line form of a value (strings stay bare words, tuples python literals)
+    return v if isinstance(v, str) and v else repr(v)
+
+
+def run_script(monkeypatch, script, args):
+    """Run a script in this process with argv; 'passed' if its settings were accepted, else its error."""
+    monkeypatch.setattr(sys, 'argv', [script] + args)
+    try:
+        if script.startswith('-m '):
+            runpy.run_module(script[3:], run_name='__main__')
+        else:
+            runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
+    except Passed:
+        return 'passed'
+    except SystemExit as e:
+        return str(e.code)
+    raise AssertionError(f'{script} {args} ran past its sentinel')
+
+
+@pytest.mark.parametrize('script,cases,base', [
+    ('train.py', TRAIN, ['config/toy.py']),
+    ('sample.py', SAMPLE, ['--checkpoint=']),
+    ('-m bench.toy', BENCH, []),
+])
+def test_every_range_one_line_before_anything(monkeypatch, tmp_path, script, cases, base):
+    import checkpoint
+    import model
+    from bench import common
+    monkeypatch.chdir(ROOT)
+    # the first thing each script does after its settings: checkpoint.Preemption (train.py, after the
+    # distributed setup), model.is_toy (sample.py), bench.common.setup (bench.toy)
+    monkeypatch.setattr(checkpoint, 'Preemption', stop)
+    monkeypatch.setattr(model, 'is_toy', stop)
+    monkeypatch.setattr(common, 'setup', stop)
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'kept.txt').write_text('written before')
+    before = {f: os.path.getmtime(out / f) for f in os.listdir(out)}
+    flag = '--out' if script == '-m bench.toy' else '--out_dir'
+    args = base + [f'{flag}={out}']
+    assert run_script(monkeypatch, script, args) == 'passed'  # the defaults pass
+    for key, bad, good, allowed in cases:
+        for v in bad:
+            message = run_script(monkeypatch, script, args + [f'--{key}={fmt(v)}'])
+            assert message.startswith(f'config error: {key} must be ') and allowed in message, (key, v, message)
+            assert f'got {v!r}' in message and '\n' not in message, (key, v, message)
+        assert run_script(monkeypatch, script, args + [f'--{key}={fmt(good)}']) == 'passed', (key, good)
+    assert {f: os.path.getmtime(out / f) for f in os.listdir(out)} == before
+
+
+def test_none_only_where_the_default_is_none():
+    from configurator import configure
+    g = dict(eta=0.5, num_steps=None, sampler='sage')
+    configure(g, ['--num_steps=None'])  # sample.py's "the world's default"
+    with pytest.raises(SystemExit, match=r"^config error: eta must be greater than 0 .*, got None$"):
+        configure(dict(g), ['--eta=None'])
+
+
+def test_issue_cases_as_a_user_runs_them(tmp_path):
+    # issue 26, each its own process as a user runs it (each costs a python + torch import, ~3 s)
+    cases = [(['train.py', 'config/toy.py', '--num_steps=0'], 'config error: num_steps must be at least 1, got 0'),
+             (['train.py', 'config/toy.py', '--eta=-1'], 'config error: eta must be greater than 0'),
+             (['sample.py', '--num_steps=0'], 'config error: num_steps must be at least 1, got 0'),
+             (['sample.py', '--sampler=fast'], "config error: sampler must be one of 'ode', 'dance', 'flow', 'sage', "
+                                               "'cps', got 'fast'"),
+             (['sample.py', '--prompts=prompts/missing.txt'],
+              "config error: prompts must be a prompt, or a .txt/.csv file of prompts, got 'prompts/missing.txt' "
+              "(file not found)")]
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'kept.txt').write_text('written before')
+    before = {f: os.path.getmtime(out / f) for f in os.listdir(out)}
+    for args, message in cases:
+        p = subprocess.run([sys.executable] + args + [f'--out_dir={out}'], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS='1'), timeout=120)
+        assert p.returncode == 1 and 'Traceback' not in p.stderr, (args, p.stderr[-2000:])
+        assert p.stderr.strip().splitlines()[-1].startswith(message), (args, p.stderr[-2000:])
+        assert p.stdout == '' and {f: os.path.getmtime(out / f) for f in os.listdir(out)} == before, (args, p.stdout)
