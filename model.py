@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import sde
+import sp
 
 # FSDP2 warns that the transformer returns a view (an in-place op on it would skip the backward
 # all-gather); velocity() only ever applies out-of-place ops to it
@@ -203,8 +204,8 @@ def velocity(model, x, s, text, cfg=1.0, text_neg=None):
     if cfg != 1.0:
         x, s = torch.cat([x, x]), torch.cat([s, s])
         text = _cat_text(text, text_neg)
-    PASSES[torch.is_grad_enabled()] += x.shape[0]  # clips x CFG branches
-    e1, m1, e2, m2 = text
+    PASSES[torch.is_grad_enabled()] += x.shape[0] * sp.first(model)  # clips x CFG branches, once per sp group
+    e1, m1, e2, m2 = sp.pad_text(model, x, text, IMAGE_TOKENS)  # sequence parallel: text splits evenly
     hidden = torch.cat([x, torch.zeros_like(x), x.new_zeros(x.shape[0], 1, *x.shape[2:])], 1)
     image = x.new_zeros(x.shape[0], IMAGE_TOKENS, model.config.image_embed_dim)
     with torch.autocast('cuda', torch.bfloat16, enabled=x.is_cuda):  # bf16 compute on GPUs

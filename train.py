@@ -49,6 +49,7 @@ from tqdm import tqdm
 import checkpoint
 import prompt_cache
 import sde
+import sp
 import toy  # plugs the toy world (its text encoder, decoder, latent shape) into model.py
 from configurator import configure
 from credit import credit_map
@@ -131,6 +132,7 @@ grad_clip = 1.0
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
 gradient_checkpointing = True   # recompute block activations in backward
 device = 'cuda'                 # 'cuda' or 'cpu'
+sp_size = 1                     # ranks that share one clip's tokens (sequence parallel, sp.py); data parallel over world / sp_size
 seed = 0
 config = configure(globals())  # also checks each value against configurator.RULES
 # -----------------------------------------------------------------------------
@@ -148,10 +150,12 @@ if ddp:
 else:
     rank, world = 0, 1
 master = rank == 0
+sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses); checks sp_size | world
+dp_rank, dp_world = rank // sp_size, world // sp_size  # an sp group: sp_size consecutive ranks, the same clips
 n_clips = prompts_per_iter * group_size
-if n_clips % world:
-    raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world size {world}')
-n_local = n_clips // world  # clips of this rank: global indices rank * n_local + j
+if n_clips % dp_world:
+    raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world size {world} / sp_size {sp_size}')
+n_local = n_clips // dp_world  # clips of this rank's group: global indices dp_rank * n_local + j
 
 # preemption: the first SIGTERM asks for a checkpoint at the end of the current iteration, a second
 # SIGTERM or a SIGINT exits at once (checkpoint.Preemption)
@@ -163,12 +167,12 @@ def mix(*parts):
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:15], 16)
 
 
-def gather(t):
-    """(n, ...) on every rank -> (world * n, ...) in global rank order."""
+def gather(t, group=sp_mesh['dp'].get_group() if sp_mesh else None):
+    """(n, ...) on every rank -> (dp_world * n, ...) in clip order, from one rank per sp group (None: all)."""
     if not ddp:
         return t
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous())
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts)
 
 
@@ -214,6 +218,8 @@ text_cache = prompt_cache.PromptCache(cache_dir)
 # resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
 ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing)
+if sp_mesh:  # every forward splits its tokens over the sp group (FSDP still shards over all ranks)
+    sp.enable(policy, sp_mesh)
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW] or [AdamW]
 params = [p for o in optimizers for g in o.param_groups for p in g['params']]  # sharded under FSDP2 (optimizer.py)
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
@@ -264,8 +270,8 @@ def evaluate():
     policy.eval()
     move_metrics(visual, device)
     items = len(eval_list) * eval_samples  # item i: prompt i % len(eval_list), seed mix(seed, 'eval', i)
-    # every rank runs as many batches (FSDP collectives): items padded to a multiple of world, i >= items dropped
-    mine = list(range(rank, -(-items // world) * world, world))
+    # every rank runs as many batches (FSDP): items padded to a multiple of dp_world (an sp group's first rank scores)
+    mine = list(range(dp_rank, -(-items // dp_world) * dp_world, dp_world))
     rows = []
     for c in range(0, len(mine), rollout_batch):
         idx = mine[c:c + rollout_batch]
@@ -273,6 +279,8 @@ def evaluate():
         gens = generators([mix(seed, 'eval', i) for i in idx])
         text, text_neg = text_for(prompts)
         x, _ = sample(policy, noise(shape, gens, device), eval_sigmas, text, cfg, text_neg, 'ode', 0.0, gens)
+        if rank % sp_size:
+            continue
         frames = decode(x)
         sc = reward_fn(frames, prompts, fps)
         sc['composite'] = combine(sc, reward_weights)
@@ -281,7 +289,7 @@ def evaluate():
         sc.update({k: fn(frames, prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
         rows += [(i, {k: float(v[j]) for k, v in sc.items()}) for j, i in enumerate(idx) if i < items]
         for j, i in enumerate(idx):
-            if master and i < min(items, eval_videos * world):
+            if master and i < min(items, eval_videos * dp_world):
                 os.makedirs(os.path.join(out_dir, 'eval'), exist_ok=True)
                 save_mp4(frames[j], os.path.join(out_dir, 'eval', f'iter{iter_num:06d}_{i}.mp4'), fps)
     if ddp:
@@ -322,16 +330,27 @@ def step_loss(b, t, clips, denom=1.0):
                      beta_pos=w_pos, beta_vel=w_vel, clip_range=clip_range, valid=clips['valid'][b], denom=denom)
 
 
+def score(latents, prompts):
+    """Decode and score clips in memory: {'VQ', 'MQ', 'TA', ...: (n,)}, with tvrl also 'credit'."""
+    frames = torch.cat([decode(x) for x in latents.split(rollout_batch)])  # (n, F, 3, H, W) in [0, 1]
+    if credit == 'none':
+        return reward_fn(frames, prompts, fps)
+    # TVRL: |d composite / d pixels| pooled onto the latent tokens (credit.py)
+    sc, g = score_and_grad(reward_fn, frames, prompts, fps, reward_weights)  # g (n, F, 3, H, W)
+    seen = sample_indices(frames.shape[1], fps, reward_fn.sample_fps) if reward_model == 'videoalign' else None
+    return dict(sc, credit=credit_map(g, shape, seen, credit_window, credit_granularity))  # (n, 1, F, h, w)
+
+
 def grad_norm():
     n = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     return (n.full_tensor() if isinstance(n, DTensor) else n).item()
 
 
 def grad_norm_of(loss):
-    """Backward rank 0's loss alone and return its gradient's global norm (leaves .grad empty). Every
-    rank runs the backward (FSDP's collectives), which averages over ranks: rank 0's counts world times."""
+    """Backward the first sp group's loss alone and return its gradient's global norm (leaves .grad empty).
+    Every rank runs the backward (FSDP's collectives), which averages over ranks: that group's counts world times."""
     zero_grad(optimizers)
-    (loss * (world if master else 0)).backward()
+    (loss * (world if dp_rank == 0 else 0)).backward()
     n = grad_norm()
     zero_grad(optimizers)
     return n
@@ -365,7 +384,7 @@ while iter_num < max_iters:
     g = torch.Generator().manual_seed(mix(seed, 'prompts', iter_num))
     chosen = (torch.randperm(len(train_list), generator=g)[:prompts_per_iter] if prompts_per_iter <= len(train_list)
               else torch.randint(len(train_list), (prompts_per_iter,), generator=g)).tolist()
-    gids = list(range(rank * n_local, (rank + 1) * n_local))      # global clip indices of this rank
+    gids = list(range(dp_rank * n_local, (dp_rank + 1) * n_local))  # global clip indices of this rank's group
     prompts = [train_list[chosen[i // group_size]] for i in gids]
     traj, latents = [], []
     for c in tqdm(range(0, n_local, rollout_batch), desc='rollout', disable=not master, leave=False):
@@ -384,20 +403,15 @@ while iter_num < max_iters:
     count_passes(passes, ('rollout',), device)
     t1 = time.time()
 
-    # ---- reward: decode and score in memory
-    frames = torch.cat([decode(x) for x in latents])               # (n, F, 3, H, W) in [0, 1]
-    if credit == 'tvrl':  # TVRL: |d composite / d pixels| pooled onto the latent tokens (credit.py)
-        scores, g = score_and_grad(reward_fn, frames, prompts, fps, reward_weights)  # g (n, F, 3, H, W)
-        seen = sample_indices(frames.shape[1], fps, reward_fn.sample_fps) if reward_model == 'videoalign' else None
-        clips['credit'] = credit_map(g, shape, seen, credit_window, credit_granularity).to(device)  # (n, 1, F, h, w)
-        del g
+    # ---- reward: decode and score in memory, each clip once (sp.spread shares them over an sp group)
+    scores = sp.spread(lambda idx: score(torch.cat(latents)[idx], [prompts[i] for i in idx]), n_local, sp_mesh)
+    if credit == 'tvrl':
+        clips['credit'] = scores.pop('credit').to(device)
         for t in trained_steps:  # old log-probs in the same credit-weighted mean: ratio 1 at theta = theta_old
             clips['logps'][:, t] = sde.log_prob(clips['xs'][:, t + 1], clips['means'][:, t], clips['stds'][:, t],
                                                 clips['credit'])
-    else:
-        scores = reward_fn(frames, prompts, fps)
     r_local = combine(scores, reward_weights).float().to(device)   # (n,)
-    del frames, latents  # the update needs neither (the final latents are clips['xs'][:, -1])
+    del latents  # the update does not need them (the final latents are clips["xs"][:, -1])
     t2 = time.time()
 
     # ---- advantage: over each whole group, even when it spans ranks; a NaN reward drops that member
@@ -409,8 +423,8 @@ while iter_num < max_iters:
     if master and not valid.all():
         print(f'warning: iteration {iter_num + 1}: {int((~valid).sum())} of {valid.numel()} rewards are NaN; '
               'those clips are left out of their groups and of the loss')
-    clips['adv'] = adv.flatten()[rank * n_local:(rank + 1) * n_local]
-    clips['valid'] = valid.flatten()[rank * n_local:(rank + 1) * n_local].float()
+    clips['adv'] = adv.flatten()[dp_rank * n_local:(dp_rank + 1) * n_local]
+    clips['valid'] = valid.flatten()[dp_rank * n_local:(dp_rank + 1) * n_local].float()
 
     # ---- diagnostics: gradient norm of one clip's policy loss at the first and last trained step
     diag = {} if credit == 'none' else {'credit_peak': mean_all(clips['credit'].flatten(1).amax(1).mean())}  # mean max weight
@@ -472,8 +486,8 @@ while iter_num < max_iters:
     # ---- log
     rs = torch.cat([gather(scores[k].float().to(device)) for k in ('VQ', 'MQ', 'TA')]).view(3, -1)
     mem = gather(torch.tensor([torch.cuda.max_memory_allocated() if 'cuda' in str(device) else  # bytes, per rank
-                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], device=device)) / 2 ** 30
-    row = dict(iter=iter_num, loss=mean_all(stats['loss']), reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
+                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], device=device), None) / 2 ** 30
+    row = dict(iter=iter_num, loss=mean_all(stats['loss']) / sp_size, reward=torch.nanmean(r).item(), VQ=torch.nanmean(rs[0]).item(),
                MQ=torch.nanmean(rs[1]).item(), TA=torch.nanmean(rs[2]).item(),
                group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
                nan_rewards=int((~valid).sum()), kl_pos=mean_all(stats['kl_pos']), kl_vel=mean_all(stats['kl_vel']),

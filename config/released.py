@@ -4,8 +4,6 @@
 # post_train.py (TrainingConfig defaults, _build_optimizer: "pt"), hyvideo/utils/grpo_utils.py
 # ("gu"), and HunyuanVideo-1.5 hyvideo/optim/muon.py; shared/SPEC.md section 8 has the reading.
 # Not expressible here, so still different from the released run:
-# - sequence parallelism (sh --sp_size 2): here each of the 8 ranks holds 1 clip alone (data
-#   parallel 8), there 2 GPUs share each of 2 clips (data parallel 4); the same 8 clips per step.
 # - a failed (NaN) reward: here the clip leaves its group and the loss; there it is scored 0 and
 #   stays in its group (gu).
 # - the anchor: here an fp32 copy of the trainable weights; there a separate bf16 reference model,
@@ -21,7 +19,8 @@ weight_decay = 0.01             # pt weight_decay (Muon and its AdamW part alike
 grad_clip = 1.0                 # pt max_grad_norm
 prompts_per_iter = 2            # sh --batch_size 2 per data-parallel rank x (8 GPUs / sp 2) = 8 clips = 2 prompts x G
 group_size = 4                  # sh --num_generations 4
-rollout_batch = 1               # one clip per rank (8 clips on 8 ranks)
+sp_size = 2                     # sh --sp_size 2: 2 GPUs share each clip's tokens (sp.py), data parallel 8 / 2 = 4
+rollout_batch = 1               # one clip per forward (2 clips per pair of ranks)
 train_batch = 1                 # pt mini_batch_size_per_update 1
 max_iters = 10000               # sh --max_steps 10000 (one optimizer step per rollout batch)
 kl_update = 'backward'          # gu: the controller's update() after every backward, on the rank's own KL

@@ -1,0 +1,43 @@
+"""
+Worker for tests/test_sp.py: the guided velocity of a tiny HunyuanVideo 1.5 transformer with its
+tokens split over the ranks (sp.enable, Ulysses over gloo), and the gradient of a fixed linear
+function of it, summed over the ranks. Rank 0 writes both to OUT.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/sp_worker.py MODEL_DIR INPUTS OUT
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import sp  # noqa: E402
+from model import load_transformer, velocity  # noqa: E402
+
+
+def main(path, inputs, out):
+    dist.init_process_group('gloo')
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = sp.enable(load_transformer(path), sp.mesh(world, 'cpu'))
+    model.enable_gradient_checkpointing()  # as train.py runs it: the split inside each recomputation
+    seen = []  # the token count block 0's attention sees on this rank: video/world + text/world
+    model.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs['hidden_states'].shape[1] + kwargs['encoder_hidden_states'].shape[1]),
+        with_kwargs=True)
+    a = torch.load(inputs)
+    v = velocity(model, a['x'], a['s'], a['text'], a['cfg'], a['text_neg'])  # (B, C, F, H, W), full on every rank
+    (v * a['w']).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():  # each rank holds the gradient of its own tokens: the sum is the clip's
+        dist.all_reduce(g)
+    if rank == 0:
+        torch.save(dict(v=v.detach(), grads=grads, seen=seen), out)
+    print(f'rank {rank} of {world}: sp velocity done, block 0 saw {seen} tokens', flush=True)
+    dist.barrier()
+    del model
+    dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    main(*sys.argv[1:4])
