@@ -32,7 +32,6 @@ Where this differs from a plain dcp.save of everything, and why:
 
 Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
 """
-import enum
 import json
 import os
 import pickle
@@ -47,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
     get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
@@ -217,26 +217,43 @@ def read_loop(path):
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    # DCP's .metadata is a pickle of its own dataclasses: admit those and the few torch and
-    # builtin types they hold, nothing else (no arbitrary code from a file on disk)
+    # DCP's .metadata is a pickle of its own dataclasses: admit exactly those and the few torch and
+    # builtin types they hold, by (module, name), nothing else: no prefix, no dotted name (find_class
+    # would walk it: 'torch.distributed.checkpoint.filesystem' + 'os.system'), no function but two
+    # stand-ins of our own (no arbitrary code from a file on disk)
     def find_class(self, module, name):
-        if module.startswith('torch.distributed.checkpoint') or (module, name) in _SAFE or \
-                (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _SAFE or (module == 'torch' and '.' not in name and
+                                       isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if (module, name) == ('torch.serialization', '_get_layout'):  # how torch pickles a layout
+            return _layout
         if (module, name) == ('builtins', 'getattr'):  # some Pythons (3.11.2) pickle an enum member
             return _enum_member                          # as getattr(EnumClass, 'NAME')
         raise pickle.UnpicklingError(f'{module}.{name} is not allowed in a DCP .metadata file')
 
 
+def _layout(name):
+    # torch.serialization._get_layout without its reach: a layout by its str ('torch.strided')
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if name not in layouts:
+        raise pickle.UnpicklingError(f'{name!r} is not a torch layout')
+    return layouts[name]
+
+
 def _enum_member(cls, name):
-    # getattr limited to a member of one of DCP's own enums (e.g. its memory-format encoding)
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.startswith('torch.distributed.checkpoint'):
+    # getattr limited to a member of one of DCP's own enums (its memory-format encoding)
+    if cls in _ENUMS and name in cls.__members__:
         return cls[name]
     raise pickle.UnpicklingError(f'getattr({cls!r}, {name!r}) is not allowed in a DCP .metadata file')
 
 
-_SAFE = {('torch', 'Size'), ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset'),
-         ('torch.serialization', '_get_layout'), ('pathlib', 'PosixPath')}
+_ENUMS = (_MEM_FORMAT_ENCODING,)
+_SAFE = {('torch.distributed.checkpoint.metadata', c) for c in (
+             'Metadata', 'StorageMeta', 'MetadataIndex', 'TensorStorageMetadata', 'BytesStorageMetadata',
+             'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')} | \
+        {('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
+         ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset')} | \
+        {(m, c) for m in ('pathlib', 'pathlib._local') for c in ('PosixPath', 'WindowsPath')}  # checkpoint_id
 
 
 class _Reader(dcp.FileSystemReader):
