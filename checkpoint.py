@@ -372,12 +372,26 @@ def export(src, dest, dtype=torch.bfloat16):
     ckpt = resolve(src)
     cfg = read_loop(ckpt)['config']
     policy = load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
-    if cfg['lora_rank'] > 0:
-        policy.save_lora_adapter(os.path.join(dest, 'lora'))  # adapter weights + its LoraConfig
-        policy.fuse_lora()    # W += (alpha / r) B A, in float32
-        policy.unload_lora()  # back to the plain diffusers modules
-    logging.set_verbosity_error()  # its warning about float32 modules: this model has none
-    policy.to(dtype).save_pretrained(dest, safe_serialization=True, max_shard_size=EXPORT_SHARD)
+    # written beside dest and renamed into place: a crash or a kill mid-write (16.6 GB at 8.3B)
+    # leaves the previous export whole (or none), never a half-written dest
+    dest = os.path.abspath(dest)
+    tmp, old = dest + '.tmp', dest + '.old'
+    shutil.rmtree(tmp, ignore_errors=True)  # an export that died
+    try:
+        if cfg['lora_rank'] > 0:
+            policy.save_lora_adapter(os.path.join(tmp, 'lora'))  # adapter weights + its LoraConfig
+            policy.fuse_lora()    # W += (alpha / r) B A, in float32
+            policy.unload_lora()  # back to the plain diffusers modules
+        logging.set_verbosity_error()  # its warning about float32 modules: this model has none
+        policy.to(dtype).save_pretrained(tmp, safe_serialization=True, max_shard_size=EXPORT_SHARD)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dest):
+        os.replace(dest, old)  # two renames: between them (microseconds) dest.old is the export
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
     return dest
 
 

@@ -235,3 +235,49 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
     w = checkpoint.read_tensors(path)
     assert w and all(torch.equal(w[n], p.detach()) for n, p in policy.named_parameters() if n in w)
     assert checkpoint.read_tensors(path, 'optim')
+
+
+def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
+    """checkpoint.export writes beside the destination and renames: an export that fails mid-write
+    (disk full: a half-written weights file, then an error) leaves the previous export whole, or
+    none; a temporary directory left by a killed export is cleared by the next one; what is
+    exported loads with diffusers' from_pretrained and holds the checkpoint's weights."""
+    import toy  # noqa: F401  (plugs the toy world into model.py)
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    from model import load_policy
+    policy = load_policy(os.path.join(ROOT, 'assets/toy'), 'cpu')
+    loop = dict(iter_num=1, config=dict(model=os.path.join(ROOT, 'assets/toy'), lora_rank=0))
+    out, dest = str(tmp_path / 'out'), str(tmp_path / 'out' / 'export')
+    opt = [torch.optim.AdamW(policy.parameters())]
+
+    def exported_equals(policy):
+        e = T.from_pretrained(dest)
+        sd = policy.state_dict()
+        return all(torch.equal(v, sd[k]) for k, v in e.state_dict().items())
+
+    checkpoint.save(os.path.join(out, 'ckpt_000001'), policy, opt, {}, loop)
+    os.makedirs(dest + '.tmp')  # left by an export that was killed
+    open(os.path.join(dest + '.tmp', 'junk'), 'w').close()
+    checkpoint.export(out, dest, torch.float32)
+    assert exported_equals(policy) and not os.path.exists(dest + '.tmp') and 'junk' not in os.listdir(dest)
+    before = {f: open(os.path.join(dest, f), 'rb').read() for f in os.listdir(dest)}
+
+    def disk_full(self, save_directory, **kwargs):
+        os.makedirs(save_directory, exist_ok=True)
+        with open(os.path.join(save_directory, 'diffusion_pytorch_model.safetensors'), 'wb') as f:
+            f.write(b'half')
+        raise OSError('No space left on device')
+
+    with torch.no_grad():
+        policy.proj_out.weight.add_(1.0)  # a newer checkpoint to export
+    checkpoint.save(os.path.join(out, 'ckpt_000002'), policy, opt, {}, dict(loop, iter_num=2))
+    with monkeypatch.context() as m:
+        m.setattr(T, 'save_pretrained', disk_full)
+        with pytest.raises(OSError, match='No space'):
+            checkpoint.export(out, dest, torch.float32)
+        with pytest.raises(OSError, match='No space'):  # a first export that fails: none at all
+            checkpoint.export(out, str(tmp_path / 'none'), torch.float32)
+    assert before == {f: open(os.path.join(dest, f), 'rb').read() for f in os.listdir(dest)}  # the old one, whole
+    assert not os.path.exists(tmp_path / 'none') and sorted(os.listdir(tmp_path)) == ['out']
+    checkpoint.export(out, dest, torch.float32)  # and the next export replaces it
+    assert exported_equals(policy) and sorted(os.listdir(out)) == ['ckpt_000001', 'ckpt_000002', 'export', 'latest']
