@@ -32,6 +32,7 @@ Where this differs from a plain dcp.save of everything, and why:
 
 Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
 """
+import copy
 import json
 import os
 import pickle
@@ -102,22 +103,36 @@ def _tensor_state(model, optimizers):
 
 
 def save(path, model, optimizers, anchor_state, loop, keep=2):
-    """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it.
-    anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state."""
+    """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it; returns
+    path. anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state.
+    A path this process already published or resumed from holds these very tensors (a preemption
+    right after a save or a resume: nothing has stepped since, see Preemption): only its loop.json is
+    replaced, atomically, if the loop state differs; the shards are not rewritten."""
     out_dir, name = os.path.split(os.path.abspath(path))
+    if os.path.join(out_dir, name) in _published:
+        if _master():
+            old = read_loop(path)
+            new = dict(old, **{k: v for k, v in _plain(loop).items() if k != 'world'})  # world: of the shards
+            if new != old:
+                _write_json(os.path.join(path, LOOP), new)
+        _barrier()
+        return path
     tmp = os.path.join(out_dir, name + '.tmp')
     if _master():
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died before publishing
         os.makedirs(tmp)
     _barrier()
-    optim_state, groups = _tensor_state(model, optimizers)
+    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    fresh = not any(o.state for o in opts)  # before the first optimizer step: no state to save (DCP
+    # would make some with a zero-lr step, and a resumed AdamW would count one step too many)
+    optim_state, groups = ({}, []) if fresh else _tensor_state(model, optimizers)
     dcp.save({'model': _trainable_weights(model), 'optim': optim_state, 'anchor': dict(anchor_state)},
              checkpoint_id=tmp)  # every rank writes __<rank>_0.distcp; rank 0 also .metadata
     _barrier()
     files = _checksums(tmp)  # each rank hashes a 1/N share of the files: [size, crc32] by name
     if _master():
         with open(os.path.join(tmp, LOOP), 'w') as f:
-            json.dump(dict(loop, param_groups=groups, files=files), f, indent=1)
+            json.dump(dict(loop, param_groups=groups, files=files, optimizer_state=not fresh), f, indent=1)
         shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same iteration
         os.replace(tmp, path)
         with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
@@ -126,6 +141,21 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
         for d in sorted(d for d in os.listdir(out_dir) if _is_ckpt(d))[:-keep]:
             shutil.rmtree(os.path.join(out_dir, d))
     _barrier()  # every rank returns once the checkpoint is published
+    _published.add(os.path.join(out_dir, name))
+    return path
+
+
+_published = set()  # checkpoint paths this process wrote or resumed from (see save)
+
+
+def _plain(d):
+    return json.loads(json.dumps(d))  # as loop.json holds it (tuples as lists)
+
+
+def _write_json(path, d):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(d, f, indent=1)
+    os.replace(path + '.tmp', path)
 
 
 def _is_ckpt(d):
@@ -287,12 +317,18 @@ def load(path, model, optimizers, anchor):
     optimizer(s) and the anchor; returns the loop state (loop.json)."""
     loop = read_loop(path)
     weights = _trainable_weights(model)
+    if not loop.get('optimizer_state', True):  # saved before the first optimizer step (a preemption):
+        _load(path, {'model': weights, 'anchor': anchor.state_dict()})  # the optimizers stay as built
+        set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+        _published.add(os.path.abspath(path))
+        return loop
     _init_state(optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
     optim_state, _ = _tensor_state(model, optimizers)  # the tensors to load into
     _load(path, {'model': weights, 'optim': optim_state, 'anchor': anchor.state_dict()})
     set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizers, {'state': optim_state, 'param_groups': loop['param_groups']},
                              options=StateDictOptions(strict=False))
+    _published.add(os.path.abspath(path))
     return loop
 
 
@@ -313,31 +349,42 @@ def read_tensors(path, part='model'):
     return {k[len(part) + 1:]: v for k, v in state.items()}
 
 
-def forget_after(out_dir, iter_num):
+def forget_after(out_dir, iter_num, eval_owed=False):
     """On (re)start at iteration iter_num: drop the metrics.jsonl lines and eval videos of later
-    iterations (they will run again), so that a crash leaves each iteration logged once."""
+    iterations (they will run again), so that a crash leaves each iteration logged once; with
+    eval_owed (a preemption cut iteration iter_num's evaluation short), its evaluation's too."""
     log = os.path.join(out_dir, 'metrics.jsonl')
     if os.path.exists(log):
         with open(log) as f:
             lines = f.readlines()
-        kept = [l for l in lines if l.strip() and json.loads(l)['iter'] <= iter_num]
+        kept = [l for l in lines if l.strip() and (json.loads(l)['iter'] < iter_num or json.loads(l)['iter'] == iter_num
+                                                   and not (eval_owed and 'reward' not in json.loads(l)))]
         if len(kept) < len(lines):
             with open(log + '.tmp', 'w') as f:
                 f.writelines(kept)
             os.replace(log + '.tmp', log)
     videos = os.path.join(out_dir, 'eval')
     for v in os.listdir(videos) if os.path.isdir(videos) else []:
-        if v.startswith('iter') and int(v[4:10]) > iter_num:  # iter000123_4.mp4
+        if v.startswith('iter') and int(v[4:10]) >= iter_num + (not eval_owed):  # iter000123_4.mp4
             os.remove(os.path.join(videos, v))
 
 
 class Preemption:
-    """The first SIGTERM asks for a checkpoint at the next safe point (see requested()); a second
-    SIGTERM, or a SIGINT, exits at once. Either way the last published checkpoint stays intact
-    (atomic publication), and the half-written temporary directory is removed by the next save."""
+    """SIGTERM stops the run at the next forward or micro-batch boundary (point()), checkpointed,
+    with exit status 0: launchers SIGKILL 30 s after their SIGTERM (torchrun's shutdown timeout,
+    SLURM's KillWait), and one iteration at 8.3B takes minutes to hours. Until the iteration's first
+    optimizer step the weights, optimizer and anchor are those of the last finished iteration, so
+    that is the state saved; what changes earlier (the lambda_KL controller under
+    kl_update='backward') is put back as it was at begin(). Every random draw is a function of
+    (seed, iteration, clip), so the resumed run redoes the cut iteration bitwise. After the first
+    optimizer step of an iteration (updates_per_iter > 1) the boundaries do nothing until the next
+    begin(): the iteration finishes and train.py checkpoints it at its end.
+    A second SIGTERM, or a SIGINT, exits at once. Either way the last published checkpoint stays
+    intact (atomic publication), and the half-written temporary directory is removed by the next save."""
 
-    def __init__(self, rank=0):
-        self.rank, self.flag = rank, False
+    def __init__(self, rank=0, device='cpu'):
+        self.rank, self.device, self.flag = rank, device, False
+        self.save, self.snapshot = None, []  # None: no resumable state at hand (see begin)
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
 
@@ -345,15 +392,43 @@ class Preemption:
         if signum == signal.SIGINT or self.flag:
             os._exit(128 + signum)  # at once: no cleanup that could touch the checkpoints
         self.flag = True
-        print(f'rank {self.rank}: SIGTERM, finishing the current iteration, then checkpoint and exit', flush=True)
+        print(f'rank {self.rank}: SIGTERM, checkpoint at the next forward boundary, then exit', flush=True)
 
-    def requested(self, device='cpu'):
+    def requested(self, device=None):
         """Whether any rank got SIGTERM: one all_reduce, so that every rank stops at the same point."""
         if not dist.is_initialized():
             return self.flag
-        t = torch.tensor([float(self.flag)], device=device)
+        t = torch.tensor([float(self.flag)], device=device or self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item() > 0
+        return t.item() > 0  # on a GPU a sync, once per forward of seconds
+
+    def begin(self, save, *stateful):
+        """From here to stepped(), a stop calls save() (a collective checkpoint of the last finished
+        iteration; it returns the path) after giving each of `stateful` (state_dict/load_state_dict)
+        back the state it has now."""
+        self.save, self.snapshot = save, [(o, copy.deepcopy(o.state_dict())) for o in stateful]
+
+    def stepped(self):
+        """The weights moved: no stop before the next begin()."""
+        self.save = None
+
+    def point(self):
+        """A boundary between forwards. Collective between begin() and stepped() (every rank passes
+        the same boundaries: same batch counts), a no-op without communication outside."""
+        if self.save is None or not self.requested():
+            return
+        for o, state in self.snapshot:
+            o.load_state_dict(state)
+        path = self.save()
+        if self.rank == 0:
+            print(f'preempted: {path} published; resume with --init_from=resume', flush=True)
+        _barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # out from deep inside the loop, whose frames hold the FSDP model: a normal exit would tear
+        # the process group down before the model (an abort at exit, see the end of train.py);
+        # nothing is left to write
+        os._exit(0)
 
 
 def resolve(path):
