@@ -30,7 +30,7 @@ Where this differs from a plain dcp.save of everything, and why:
   it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
   exact.
 
-Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
+Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py tests/test_preemption.py
 """
 import copy
 import json
@@ -105,17 +105,11 @@ def _tensor_state(model, optimizers):
 def save(path, model, optimizers, anchor_state, loop, keep=2):
     """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it; returns
     path. anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state.
-    A path this process already published or resumed from holds these very tensors (a preemption
-    right after a save or a resume: nothing has stepped since, see Preemption): only its loop.json is
-    replaced, atomically, if the loop state differs; the shards are not rewritten."""
+    A path this process already published or resumed from holds this very state (a preemption right
+    after a save or a resume: nothing has stepped since, see Preemption): it is not rewritten (its
+    loop.json may owe an evaluation that has run since: it runs again, logged once)."""
     out_dir, name = os.path.split(os.path.abspath(path))
-    if os.path.join(out_dir, name) in _published:
-        if _master():
-            old = read_loop(path)
-            new = dict(old, **{k: v for k, v in _plain(loop).items() if k != 'world'})  # world: of the shards
-            if new != old:
-                _write_json(os.path.join(path, LOOP), new)
-        _barrier()
+    if os.path.join(out_dir, name) in _published:  # the same on every rank: no collective needed
         return path
     tmp = os.path.join(out_dir, name + '.tmp')
     if _master():
@@ -146,16 +140,6 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
 
 
 _published = set()  # checkpoint paths this process wrote or resumed from (see save)
-
-
-def _plain(d):
-    return json.loads(json.dumps(d))  # as loop.json holds it (tuples as lists)
-
-
-def _write_json(path, d):
-    with open(path + '.tmp', 'w') as f:
-        json.dump(d, f, indent=1)
-    os.replace(path + '.tmp', path)
 
 
 def _is_ckpt(d):

@@ -247,7 +247,7 @@ n_train = max(1, round(timestep_fraction * len(trained_steps)))
 use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('stepwise', 'dual')
 w_pos, w_vel = beta_pos * use_pos, beta_vel * use_vel  # 'moving' is the position term alone
 
-iter_num, opt_steps, eval_owed = 0, 0, False
+iter_num, opt_steps, eval_owed = 0, 0, True  # a fresh run owes the base model's evaluation
 for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into the sharded policy
     try:
         loop = checkpoint.load(ckpt, policy, optimizers, anchor)
@@ -280,8 +280,7 @@ def evaluate():
         prompts = [eval_list[i % len(eval_list)] for i in idx]
         gens = generators([mix(seed, 'eval', i) for i in idx])
         text, text_neg = text_for(prompts)
-        x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, 'ode', 0.0, gens,
-                      boundary=preemption.point)
+        x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, 'ode', 0.0, gens, boundary=preemption.point)
         frames = decode(x)
         sc = reward_fn(frames, prompts, fps)
         sc['composite'] = combine(sc, reward_weights)
@@ -355,7 +354,7 @@ if wandb_log and master:
         wandb_log = False
         print('wandb is not installed: logging to metrics.jsonl only')
 first_eval = None
-if iter_num == 0 or eval_owed:  # the base model's scores, or the evaluation a preemption cut short
+if eval_owed:  # the base model's scores, or the evaluation a preemption cut short
     first_eval = evaluate()
     if master:
         print(f'eval iter {iter_num}: ' + ' '.join(f'{k} {v:.4f}' for k, v in first_eval.items()))
@@ -419,10 +418,12 @@ while iter_num < max_iters:
     if diag_every and iter_num % diag_every == 0:
         b = [0]
         for name, t in (('first', trained_steps[0]), ('last', trained_steps[-1])):
+            preemption.point()  # a boundary before each forward + backward
             _, terms = step_loss(b, torch.tensor([t]), clips)
             diag[f'gnorm_{name}'] = grad_norm_of(terms.policy.sum() / S[t])  # without the equalizer
             diag[f'gnorm_{name}_eq'] = diag[f'gnorm_{name}'] * S[t].item()  # with it (S_t is a constant)
         if kl_strategy != 'none':
+            preemption.point()
             t = trained_steps[len(trained_steps) // 2]
             _, terms = step_loss(b, torch.tensor([t]), clips)
             g_pg = grad_norm_of(terms.policy.sum())

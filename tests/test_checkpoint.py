@@ -281,3 +281,20 @@ def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / 'none') and sorted(os.listdir(tmp_path)) == ['out']
     checkpoint.export(out, dest, torch.float32)  # and the next export replaces it
     assert exported_equals(policy) and sorted(os.listdir(out)) == ['ckpt_000001', 'ckpt_000002', 'export', 'latest']
+
+
+def test_forget_after_drops_an_owed_evaluation(tmp_path):
+    """Resume at iteration k: later iterations' log lines and eval videos go; with eval_owed (a
+    preemption cut iteration k's evaluation short, the resumed run evaluates first) k's evaluation
+    rows and videos go too, its training row stays."""
+    rows = [{'iter': 0, 'eval_composite': 0.1}, {'iter': 1, 'reward': 0.2}, {'iter': 1, 'eval_composite': 0.3},
+            {'iter': 2, 'reward': 0.4}]
+    for owed, kept in ((False, rows[:3]), (True, rows[:2])):
+        out = tmp_path / str(owed)
+        os.makedirs(out / 'eval')
+        (out / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+        for i in (0, 1, 2):
+            (out / 'eval' / f'iter{i:06d}_0.mp4').write_bytes(b'')
+        checkpoint.forget_after(str(out), 1, eval_owed=owed)
+        assert [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()] == kept
+        assert sorted(os.listdir(out / 'eval')) == [f'iter{i:06d}_0.mp4' for i in ((0, 1) if not owed else (0,))]
