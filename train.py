@@ -303,8 +303,8 @@ def evaluate():
 def save_checkpoint(eval_owed=False):
     """Collective: each rank writes its shards (checkpoint.py), rank 0 publishes atomically."""
     return checkpoint.save(os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}'), policy, optimizers,
-                           anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world, eval_owed=eval_owed,
-                                                     controller=controller.state_dict(), config=config),
+                           anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world,
+                                                     controller=controller.state_dict(), config=config, eval_owed=eval_owed),
                            keep=keep_checkpoints)
 
 
