@@ -30,9 +30,9 @@ Where this differs from a plain dcp.save of everything, and why:
   it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
   exact.
 
-Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py
+Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py tests/test_preemption.py
 """
-import enum
+import copy
 import json
 import os
 import pickle
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
     get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
@@ -102,22 +103,30 @@ def _tensor_state(model, optimizers):
 
 
 def save(path, model, optimizers, anchor_state, loop, keep=2):
-    """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it.
-    anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state."""
+    """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it; returns
+    path. anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state.
+    A path this process already published or resumed from holds this very state (a preemption right
+    after a save or a resume: nothing has stepped since, see Preemption): it is not rewritten (its
+    loop.json may owe an evaluation that has run since: it runs again, logged once)."""
     out_dir, name = os.path.split(os.path.abspath(path))
+    if os.path.join(out_dir, name) in _published:  # the same on every rank: no collective needed
+        return path
     tmp = os.path.join(out_dir, name + '.tmp')
     if _master():
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died before publishing
         os.makedirs(tmp)
     _barrier()
-    optim_state, groups = _tensor_state(model, optimizers)
+    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    fresh = not any(o.state for o in opts)  # before the first optimizer step: no state to save (DCP
+    # would make some with a zero-lr step, and a resumed AdamW would count one step too many)
+    optim_state, groups = ({}, []) if fresh else _tensor_state(model, optimizers)
     dcp.save({'model': _trainable_weights(model), 'optim': optim_state, 'anchor': dict(anchor_state)},
              checkpoint_id=tmp)  # every rank writes __<rank>_0.distcp; rank 0 also .metadata
     _barrier()
     files = _checksums(tmp)  # each rank hashes a 1/N share of the files: [size, crc32] by name
     if _master():
         with open(os.path.join(tmp, LOOP), 'w') as f:
-            json.dump(dict(loop, param_groups=groups, files=files), f, indent=1)
+            json.dump(dict(loop, param_groups=groups, files=files, optimizer_state=not fresh), f, indent=1)
         shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same iteration
         os.replace(tmp, path)
         with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
@@ -126,6 +135,11 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
         for d in sorted(d for d in os.listdir(out_dir) if _is_ckpt(d))[:-keep]:
             shutil.rmtree(os.path.join(out_dir, d))
     _barrier()  # every rank returns once the checkpoint is published
+    _published.add(os.path.join(out_dir, name))
+    return path
+
+
+_published = set()  # checkpoint paths this process wrote or resumed from (see save)
 
 
 def _is_ckpt(d):
@@ -217,26 +231,43 @@ def read_loop(path):
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    # DCP's .metadata is a pickle of its own dataclasses: admit those and the few torch and
-    # builtin types they hold, nothing else (no arbitrary code from a file on disk)
+    # DCP's .metadata is a pickle of its own dataclasses: admit exactly those and the few torch and
+    # builtin types they hold, by (module, name), nothing else: no prefix, no dotted name (find_class
+    # would walk it: 'torch.distributed.checkpoint.filesystem' + 'os.system'), no function but two
+    # stand-ins of our own (no arbitrary code from a file on disk)
     def find_class(self, module, name):
-        if module.startswith('torch.distributed.checkpoint') or (module, name) in _SAFE or \
-                (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _SAFE or (module == 'torch' and '.' not in name and
+                                       isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if (module, name) == ('torch.serialization', '_get_layout'):  # how torch pickles a layout
+            return _layout
         if (module, name) == ('builtins', 'getattr'):  # some Pythons (3.11.2) pickle an enum member
             return _enum_member                          # as getattr(EnumClass, 'NAME')
         raise pickle.UnpicklingError(f'{module}.{name} is not allowed in a DCP .metadata file')
 
 
+def _layout(name):
+    # torch.serialization._get_layout without its reach: a layout by its str ('torch.strided')
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if name not in layouts:
+        raise pickle.UnpicklingError(f'{name!r} is not a torch layout')
+    return layouts[name]
+
+
 def _enum_member(cls, name):
-    # getattr limited to a member of one of DCP's own enums (e.g. its memory-format encoding)
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.startswith('torch.distributed.checkpoint'):
+    # getattr limited to a member of one of DCP's own enums (its memory-format encoding)
+    if cls in _ENUMS and name in cls.__members__:
         return cls[name]
     raise pickle.UnpicklingError(f'getattr({cls!r}, {name!r}) is not allowed in a DCP .metadata file')
 
 
-_SAFE = {('torch', 'Size'), ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset'),
-         ('torch.serialization', '_get_layout'), ('pathlib', 'PosixPath')}
+_ENUMS = (_MEM_FORMAT_ENCODING,)
+_SAFE = {('torch.distributed.checkpoint.metadata', c) for c in (
+             'Metadata', 'StorageMeta', 'MetadataIndex', 'TensorStorageMetadata', 'BytesStorageMetadata',
+             'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')} | \
+        {('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
+         ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset')} | \
+        {(m, c) for m in ('pathlib', 'pathlib._local') for c in ('PosixPath', 'WindowsPath')}  # checkpoint_id
 
 
 class _Reader(dcp.FileSystemReader):
@@ -270,12 +301,18 @@ def load(path, model, optimizers, anchor):
     optimizer(s) and the anchor; returns the loop state (loop.json)."""
     loop = read_loop(path)
     weights = _trainable_weights(model)
+    if not loop.get('optimizer_state', True):  # saved before the first optimizer step (a preemption):
+        _load(path, {'model': weights, 'anchor': anchor.state_dict()})  # the optimizers stay as built
+        set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+        _published.add(os.path.abspath(path))
+        return loop
     _init_state(optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
     optim_state, _ = _tensor_state(model, optimizers)  # the tensors to load into
     _load(path, {'model': weights, 'optim': optim_state, 'anchor': anchor.state_dict()})
     set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizers, {'state': optim_state, 'param_groups': loop['param_groups']},
                              options=StateDictOptions(strict=False))
+    _published.add(os.path.abspath(path))
     return loop
 
 
@@ -296,31 +333,42 @@ def read_tensors(path, part='model'):
     return {k[len(part) + 1:]: v for k, v in state.items()}
 
 
-def forget_after(out_dir, iter_num):
+def forget_after(out_dir, iter_num, eval_owed=False):
     """On (re)start at iteration iter_num: drop the metrics.jsonl lines and eval videos of later
-    iterations (they will run again), so that a crash leaves each iteration logged once."""
+    iterations (they will run again), so that a crash leaves each iteration logged once; with
+    eval_owed (a preemption cut iteration iter_num's evaluation short), its evaluation's too."""
     log = os.path.join(out_dir, 'metrics.jsonl')
     if os.path.exists(log):
         with open(log) as f:
             lines = f.readlines()
-        kept = [l for l in lines if l.strip() and json.loads(l)['iter'] <= iter_num]
+        kept = [l for l in lines if l.strip() and (json.loads(l)['iter'] < iter_num or json.loads(l)['iter'] == iter_num
+                                                   and not (eval_owed and 'reward' not in json.loads(l)))]
         if len(kept) < len(lines):
             with open(log + '.tmp', 'w') as f:
                 f.writelines(kept)
             os.replace(log + '.tmp', log)
     videos = os.path.join(out_dir, 'eval')
     for v in os.listdir(videos) if os.path.isdir(videos) else []:
-        if v.startswith('iter') and int(v[4:10]) > iter_num:  # iter000123_4.mp4
+        if v.startswith('iter') and int(v[4:10]) >= iter_num + (not eval_owed):  # iter000123_4.mp4
             os.remove(os.path.join(videos, v))
 
 
 class Preemption:
-    """The first SIGTERM asks for a checkpoint at the next safe point (see requested()); a second
-    SIGTERM, or a SIGINT, exits at once. Either way the last published checkpoint stays intact
-    (atomic publication), and the half-written temporary directory is removed by the next save."""
+    """SIGTERM stops the run at the next forward or micro-batch boundary (point()), checkpointed,
+    with exit status 0: launchers SIGKILL 30 s after their SIGTERM (torchrun's shutdown timeout,
+    SLURM's KillWait), and one iteration at 8.3B takes minutes to hours. Until the iteration's first
+    optimizer step the weights, optimizer and anchor are those of the last finished iteration, so
+    that is the state saved; what changes earlier (the lambda_KL controller under
+    kl_update='backward') is put back as it was at begin(). Every random draw is a function of
+    (seed, iteration, clip), so the resumed run redoes the cut iteration bitwise. After the first
+    optimizer step of an iteration (updates_per_iter > 1) the boundaries do nothing until the next
+    begin(): the iteration finishes and train.py checkpoints it at its end.
+    A second SIGTERM, or a SIGINT, exits at once. Either way the last published checkpoint stays
+    intact (atomic publication), and the half-written temporary directory is removed by the next save."""
 
-    def __init__(self, rank=0):
-        self.rank, self.flag = rank, False
+    def __init__(self, rank=0, device='cpu'):
+        self.rank, self.device, self.flag = rank, device, False
+        self.save, self.snapshot = None, []  # None: no resumable state at hand (see begin)
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
 
@@ -328,15 +376,43 @@ class Preemption:
         if signum == signal.SIGINT or self.flag:
             os._exit(128 + signum)  # at once: no cleanup that could touch the checkpoints
         self.flag = True
-        print(f'rank {self.rank}: SIGTERM, finishing the current iteration, then checkpoint and exit', flush=True)
+        print(f'rank {self.rank}: SIGTERM, checkpoint at the next forward boundary, then exit', flush=True)
 
-    def requested(self, device='cpu'):
+    def requested(self, device=None):
         """Whether any rank got SIGTERM: one all_reduce, so that every rank stops at the same point."""
         if not dist.is_initialized():
             return self.flag
-        t = torch.tensor([float(self.flag)], device=device)
+        t = torch.tensor([float(self.flag)], device=device or self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item() > 0
+        return t.item() > 0  # on a GPU a sync, once per forward of seconds
+
+    def begin(self, save, *stateful):
+        """From here to stepped(), a stop calls save() (a collective checkpoint of the last finished
+        iteration; it returns the path) after giving each of `stateful` (state_dict/load_state_dict)
+        back the state it has now."""
+        self.save, self.snapshot = save, [(o, copy.deepcopy(o.state_dict())) for o in stateful]
+
+    def stepped(self):
+        """The weights moved: no stop before the next begin()."""
+        self.save = None
+
+    def point(self):
+        """A boundary between forwards. Collective between begin() and stepped() (every rank passes
+        the same boundaries: same batch counts), a no-op without communication outside."""
+        if self.save is None or not self.requested():
+            return
+        for o, state in self.snapshot:
+            o.load_state_dict(state)
+        path = self.save()
+        if self.rank == 0:
+            print(f'preempted: {path} published; resume with --init_from=resume', flush=True)
+        _barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # out from deep inside the loop, whose frames hold the FSDP model: a normal exit would tear
+        # the process group down before the model (an abort at exit, see the end of train.py);
+        # nothing is left to write
+        os._exit(0)
 
 
 def resolve(path):
@@ -355,12 +431,26 @@ def export(src, dest, dtype=torch.bfloat16):
     ckpt = resolve(src)
     cfg = read_loop(ckpt)['config']
     policy = load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
-    if cfg['lora_rank'] > 0:
-        policy.save_lora_adapter(os.path.join(dest, 'lora'))  # adapter weights + its LoraConfig
-        policy.fuse_lora()    # W += (alpha / r) B A, in float32
-        policy.unload_lora()  # back to the plain diffusers modules
-    logging.set_verbosity_error()  # its warning about float32 modules: this model has none
-    policy.to(dtype).save_pretrained(dest, safe_serialization=True, max_shard_size=EXPORT_SHARD)
+    # written beside dest and renamed into place: a crash or a kill mid-write (16.6 GB at 8.3B)
+    # leaves the previous export whole (or none), never a half-written dest
+    dest = os.path.abspath(dest)
+    tmp, old = dest + '.tmp', dest + '.old'
+    shutil.rmtree(tmp, ignore_errors=True)  # an export that died
+    try:
+        if cfg['lora_rank'] > 0:
+            policy.save_lora_adapter(os.path.join(tmp, 'lora'))  # adapter weights + its LoraConfig
+            policy.fuse_lora()    # W += (alpha / r) B A, in float32
+            policy.unload_lora()  # back to the plain diffusers modules
+        logging.set_verbosity_error()  # its warning about float32 modules: this model has none
+        policy.to(dtype).save_pretrained(tmp, safe_serialization=True, max_shard_size=EXPORT_SHARD)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dest):
+        os.replace(dest, old)  # two renames: between them (microseconds) dest.old is the export
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
     return dest
 
 

@@ -239,14 +239,17 @@ def generators(seeds):
 
 
 @torch.no_grad()
-def sample(model, x, sigmas, text, cfg, text_neg, kind, eta, gens, keep=False, window=None):
+def sample(model, x, sigmas, text, cfg, text_neg, kind, eta, gens, keep=False, window=None, boundary=None):
     """Integrate from x at sigmas[0] down to sigmas[-1] with sde.step of the given kind (at the steps
     in `window` only, if given: ODE steps elsewhere, see sde.window). Returns the final latents and,
     if keep, what training needs for every step: xs (B, N+1, ...), means (B, N, ...), logps (B, N),
-    stds (B, N); an ODE step has std 0 and logp 0 (it has no log-probability, and is never trained)."""
+    stds (B, N); an ODE step has std 0 and logp 0 (it has no log-probability, and is never trained).
+    boundary(): called before each step's forward (train.py's preemption point)."""
     B, N = x.shape[0], len(sigmas) - 1
     xs, means, logps, stds = [x], [], [], []
     for i in range(N):
+        if boundary is not None:
+            boundary()
         s = sigmas[i].expand(B).to(x.device)
         v = velocity(model, x, s, text, cfg, text_neg)
         z = noise(x.shape[1:], gens, x.device)  # drawn even for ODE steps: keeps streams aligned

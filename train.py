@@ -12,7 +12,7 @@ Settings are the constants below (the paper's released defaults, shared/SPEC.md 
 config files and --key=value override them (configurator.py). The loss is loss.py, SPEC section 4.
 
     python train.py config/toy.py --init_from=resume         # from out_dir's newest intact checkpoint
-    kill -TERM <pid>                # finish the iteration, checkpoint, exit 0 (torchrun forwards it)
+    kill -TERM <pid>                # checkpoint at the next forward, exit 0 (torchrun forwards it)
 
 Checkpoints are sharded (checkpoint.py: each rank writes and reads its own shards, any world size
 resumes any checkpoint); the final one is exported to out_dir/export as a diffusers transformer.
@@ -24,8 +24,8 @@ Where this code knowingly differs from the paper or its released code:
 - a NaN reward drops its clip from its group; the released code scores it 0 and keeps it.
 - config/released.py is the released run as far as these settings express it (with sources).
 - CPS log-probabilities are the true Gaussian density (the reference drops its constants).
-- SIGTERM is honoured at the end of an iteration (the rollout batch is the unit a checkpoint can
-  resume from): the grace period a scheduler gives must cover one iteration plus a save.
+- SIGTERM stops at the next forward or micro-batch and saves the last finished iteration (the unit a
+  checkpoint resumes from, bitwise; checkpoint.Preemption): the grace period must cover a forward and a save.
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
   updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
@@ -40,6 +40,7 @@ import json
 import os
 import resource
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -133,6 +134,8 @@ lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of thi
 gradient_checkpointing = True   # recompute block activations in backward
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks that share one clip's tokens (sequence parallel, sp.py); data parallel over world / sp_size
+dist_timeout = 60               # minutes a collective waits (NCCL: 10) for rank 0's solo phases: 10,000 prompts cached (162 s
+                                # written, results/checkpoint.md, + encoding), the 8.3B export (~5 min at its 320M DCP rates)
 seed = 0
 config = configure(globals())  # also checks each value against configurator.RULES
 # -----------------------------------------------------------------------------
@@ -142,7 +145,7 @@ ddp = 'RANK' in os.environ
 if device == 'cuda' and not torch.cuda.is_available():
     raise SystemExit('no CUDA device: run with --device=cpu (the toy world: python train.py config/toy.py)')
 if ddp:
-    dist.init_process_group('nccl' if device == 'cuda' else 'gloo')
+    dist.init_process_group('nccl' if device == 'cuda' else 'gloo', timeout=timedelta(minutes=dist_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == 'cuda':
         device = f'cuda:{int(os.environ["LOCAL_RANK"])}'
@@ -157,9 +160,9 @@ if n_clips % dp_world:
     raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world size {world} / sp_size {sp_size}')
 n_local = n_clips // dp_world  # clips of this rank's group: global indices dp_rank * n_local + j
 
-# preemption: the first SIGTERM asks for a checkpoint at the end of the current iteration, a second
-# SIGTERM or a SIGINT exits at once (checkpoint.Preemption)
-preemption = checkpoint.Preemption(rank)
+# preemption: the first SIGTERM stops at the next forward / micro-batch boundary (preemption.point())
+# with a checkpoint of the last finished iteration, a second SIGTERM or a SIGINT exits at once (checkpoint.Preemption)
+preemption = checkpoint.Preemption(rank, device)
 
 
 def mix(*parts):
@@ -244,7 +247,8 @@ n_train = max(1, round(timestep_fraction * min(sde_window or num_steps, len(stoc
 use_pos, use_vel = kl_strategy in ('fixed', 'moving', 'dual'), kl_strategy in ('stepwise', 'dual')
 w_pos, w_vel = beta_pos * use_pos, beta_vel * use_vel  # 'moving' is the position term alone
 
-iter_num, opt_steps, passes = 0, 0, dict.fromkeys(PASS_KINDS, 0)  # transformer passes by kind, all ranks (model.count_passes)
+iter_num, opt_steps, eval_owed = 0, 0, True  # a fresh run owes the base model's evaluation
+passes = dict.fromkeys(PASS_KINDS, 0)  # transformer passes by kind, all ranks (model.count_passes)
 for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into the sharded policy
     try:
         loop = checkpoint.load(ckpt, policy, optimizers, anchor)
@@ -255,7 +259,8 @@ for i, ckpt in enumerate(ckpts):  # each rank reads only its own slices, into th
             print(f'warning: checkpoint {ckpt} is damaged ({type(e).__name__}): falling back to {ckpts[i + 1]}')
         continue
     controller.load_state_dict(loop['controller'])
-    iter_num, opt_steps, passes = loop['iter_num'], loop['opt_steps'], loop.get('passes', passes)
+    iter_num, opt_steps, eval_owed = loop['iter_num'], loop['opt_steps'], loop.get('eval_owed', False)
+    passes = loop.get('passes', passes)
     if master:
         print(f'resumed from {ckpt} at iteration {iter_num}' + (' (the newest intact checkpoint)' if i else ''))
     break
@@ -267,6 +272,7 @@ def text_for(prompts):
 
 def evaluate():
     """ODE samples of the held-out prompts with fixed seeds; mean rewards over all ranks."""
+    preemption.begin(lambda: save_checkpoint(eval_owed=True))  # a stop: this evaluation runs on resume
     policy.eval()
     move_metrics(visual, device)
     items = len(eval_list) * eval_samples  # item i: prompt i % len(eval_list), seed mix(seed, 'eval', i)
@@ -278,7 +284,8 @@ def evaluate():
         prompts = [eval_list[i % len(eval_list)] for i in idx]
         gens = generators([mix(seed, 'eval', i) for i in idx])
         text, text_neg = text_for(prompts)
-        x, _ = sample(policy, noise(shape, gens, device), eval_sigmas, text, cfg, text_neg, 'ode', 0.0, gens)
+        x, _ = sample(policy, noise(shape, gens, device), eval_sigmas, text, cfg, text_neg, 'ode', 0.0, gens,
+                      boundary=preemption.point)
         if rank % sp_size:
             continue
         frames = decode(x)
@@ -303,12 +310,12 @@ def evaluate():
     return {k: torch.tensor([r[k] for r in rows]).nanmean().item() for k in rows[0]}  # NaN: unscored video
 
 
-def save_checkpoint():
+def save_checkpoint(eval_owed=False):
     """Collective: each rank writes its shards (checkpoint.py), rank 0 publishes atomically."""
-    checkpoint.save(os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}'), policy, optimizers,
-                    anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world, passes=passes,
-                                              controller=controller.state_dict(), config=config),
-                    keep=keep_checkpoints)
+    return checkpoint.save(os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}'), policy, optimizers,
+                           anchor.state_dict(), dict(iter_num=iter_num, opt_steps=opt_steps, world=world, passes=passes,
+                                                     controller=controller.state_dict(), config=config, eval_owed=eval_owed),
+                           keep=keep_checkpoints)
 
 
 def step_loss(b, t, clips, denom=1.0):
@@ -360,7 +367,7 @@ def grad_norm_of(loss):
 if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(config, f, indent=1)
-    checkpoint.forget_after(out_dir, iter_num)  # a crash leaves a clean log: lost iterations run again
+    checkpoint.forget_after(out_dir, iter_num, eval_owed)  # a crash leaves a clean log: lost iterations run again
 if wandb_log and master:
     try:
         import wandb
@@ -369,15 +376,17 @@ if wandb_log and master:
         wandb_log = False
         print('wandb is not installed: logging to metrics.jsonl only')
 first_eval = None
-if iter_num == 0:
+if eval_owed:  # the base model's scores, or the evaluation a preemption cut short
     first_eval = evaluate()
     if master:
-        print('eval iter 0: ' + ' '.join(f'{k} {v:.4f}' for k, v in first_eval.items()))
-        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:  # the base model's scores
-            f.write(json.dumps({'iter': 0, **{f'eval_{k}': v for k, v in first_eval.items()}}) + '\n')
+        print(f'eval iter {iter_num}: ' + ' '.join(f'{k} {v:.4f}' for k, v in first_eval.items()))
+        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
+            f.write(json.dumps({'iter': iter_num, **{f'eval_{k}': v for k, v in first_eval.items()}}) + '\n')
+    first_eval = first_eval if iter_num == 0 else None
 policy.train()
 while iter_num < max_iters:
     t0 = time.time()
+    preemption.begin(save_checkpoint, controller)  # until the first optimizer step: weights of iteration iter_num
     # ---- rollout: G clips per prompt, keeping per step what training needs
     trained_steps = sde.window(stochastic, sde_window, mix(seed, 'window', iter_num))  # stochastic and trained
     S = (scales(sampler, sigmas.cpu(), eta, median, trained_steps) if equalizer else torch.ones(num_steps)).to(device)  # (N,)
@@ -394,7 +403,8 @@ while iter_num < max_iters:
             [prompt_seeds[p] + i % group_size if p in prompt_seeds else mix(seed, 'noise', p, i % group_size)
              for p, i in zip(prompts[c:c + rollout_batch], idx)]), device)
         text, text_neg = text_for(prompts[c:c + rollout_batch])
-        x, rec = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True, window=trained_steps)
+        x, rec = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens, keep=True, window=trained_steps,
+                        boundary=preemption.point)
         traj.append(rec)
         latents.append(x)
     clips = {k: torch.cat([r[k] for r in traj]) for k in traj[0]}  # xs (n, N+1, C, F, h, w), ...
@@ -431,10 +441,12 @@ while iter_num < max_iters:
     if diag_every and iter_num % diag_every == 0:
         b = [0]
         for name, t in (('first', trained_steps[0]), ('last', trained_steps[-1])):
+            preemption.point()  # a boundary before each forward + backward
             _, terms = step_loss(b, torch.tensor([t]), clips)
             diag[f'gnorm_{name}'] = grad_norm_of(terms.policy.sum() / S[t])  # without the equalizer
             diag[f'gnorm_{name}_eq'] = diag[f'gnorm_{name}'] * S[t].item()  # with it (S_t is a constant)
         if kl_strategy != 'none':
+            preemption.point()
             t = trained_steps[len(trained_steps) // 2]
             _, terms = step_loss(b, torch.tensor([t]), clips)
             g_pg = grad_norm_of(terms.policy.sum())
@@ -456,6 +468,7 @@ while iter_num < max_iters:
         kl_chunk = []
         for b in mbs:
             for k in range(n_train):
+                preemption.point()  # the gradients so far are dropped: the weights have not moved yet
                 # FSDP reduce-scatters after every backward, so gradients stay sharded (accumulating
                 # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
                 loss, terms = step_loss(b, order[b, k], clips, denom)
@@ -474,6 +487,7 @@ while iter_num < max_iters:
             o.step()
         zero_grad(optimizers)  # freed now: gradients do not live through the next rollout and eval
         opt_steps += 1
+        preemption.stepped()  # updates_per_iter > 1: the rest of the iteration runs, then its checkpoint
         # ---- anchor and lambda_KL: once per optimizer step, from the KL observed over all ranks
         if kl_update == 'step':
             controller.update(mean_all(sum(kl_chunk) / len(kl_chunk)))
@@ -522,12 +536,12 @@ while iter_num < max_iters:
             print(f'preempted: checkpoint of iteration {iter_num} written; resume with --init_from=resume')
         break
 
-if master and export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format
-    checkpoint.export(out_dir, os.path.join(out_dir, 'export'), getattr(torch, export_dtype))
+if master and export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format, renamed
+    checkpoint.export(out_dir, os.path.join(out_dir, 'export'), getattr(torch, export_dtype))  # into place
     print(f'exported to {out_dir}/export: diffusers HunyuanVideo15Transformer3DModel.from_pretrained() loads it')
 
 if ddp:
-    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.barrier()  # every rank waits for the export (dist_timeout), and none tears gloo down early
     del policy, anchor  # their FSDP state holds the process group: one freed after destroy_process_group
     gc.collect()        # can abort the process on exit ('terminate called without an active exception')
     dist.destroy_process_group()

@@ -13,8 +13,10 @@ resume code), tested as a user meets it: real signals on running toy runs, then 
   fp32, LoRA and HunyuanVideo-pipeline checks are in test_train.py).
 - the prompt cache reads back what was encoded, from memory-mapped shards.
 """
+import io
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -159,13 +161,42 @@ def test_prompt_cache_reads_back_what_was_encoded(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(cache[p], ref[p]))
 
 
-def test_metadata_unpickler_admits_dcp_enum_members_and_nothing_else():
-    """Python 3.11.2 pickles DCP's enum members as getattr(EnumClass, 'NAME'): that getattr is
-    admitted for DCP's own enums only, never as a way to reach any other attribute."""
-    import io
-    import pickle
+def _call(module, name, *args):
+    """Pickle bytes that call module.name(*args) when loaded (STACK_GLOBAL + REDUCE), written by
+    hand: pickle itself would never name a function through another module."""
+    text = lambda s: b'\x8c' + bytes([len(s.encode())]) + s.encode()  # SHORT_BINUNICODE
+    return b'\x80\x04' + text(module) + text(name) + b'\x93' + pickle.dumps(args, protocol=2)[2:-1] + b'R.'
+
+
+def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
+    """DCP's .metadata is read with an allowlist of exact (module, name) pairs: crafted payloads
+    that would run code are refused before anything runs (os.system reached through a module DCP
+    imports, a dotted name, builtins.eval, getattr on a class that is not one of DCP's enums); a
+    real checkpoint still loads; Python 3.11.2's getattr(EnumClass, 'NAME') for DCP's own enum
+    members is admitted. The payloads are checked to run under plain pickle first."""
     from collections import OrderedDict
+    from pathlib import PosixPath
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as E
+
+    def marker(i):
+        return str(tmp_path / f'ran{i}')
+
+    payloads = [
+        _call('torch.distributed.checkpoint.filesystem', 'os.system', f'touch {marker(0)}'),
+        _call('torch.distributed.checkpoint.filesystem', 'os.makedirs', marker(1)),
+        _call('torch.distributed.checkpoint.metadata', 'os.makedirs', marker(2)),
+        _call('torch', 'os.makedirs', marker(3)),
+        _call('builtins', 'eval', f'__import__("os").makedirs({marker(4)!r})'),
+        _call('builtins', 'exec', f'__import__("os").makedirs({marker(5)!r})'),
+    ]
+    for i, p in enumerate(payloads):  # the payload is real: plain pickle runs it
+        pickle.loads(p)
+        assert os.path.exists(marker(i)), i
+        os.system(f'rm -rf {marker(i)}')
+    for i, p in enumerate(payloads):
+        with pytest.raises(pickle.UnpicklingError):
+            checkpoint._SafeUnpickler(io.BytesIO(p)).load()
+        assert not os.path.exists(marker(i)), f'payload {i} ran'
 
     class Ref:  # pickles as getattr(cls, name), the way Python 3.11.2 pickles an enum member
         def __init__(self, cls, name):
@@ -174,7 +205,96 @@ def test_metadata_unpickler_admits_dcp_enum_members_and_nothing_else():
         def __reduce__(self):
             return getattr, (self.cls, self.name)
 
+    # getattr(PosixPath, 'touch')(PosixPath(marker)): a method of an admitted class
+    text = lambda s: b'\x8c' + bytes([len(s.encode())]) + s.encode()
+    path_cls = text(PosixPath.__module__) + text('PosixPath') + b'\x93'
+    touch = (b'\x80\x04' + text('builtins') + text('getattr') + b'\x93' + path_cls + text('touch') + b'\x86R'
+             + path_cls + text(marker(6)) + b'\x85R' + b'\x85R.')
+
     member = E.TORCH_CONTIGUOUS_FORMAT
     assert checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(Ref(E, member.name)))).load() is member
-    with pytest.raises(pickle.UnpicklingError):
-        checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(Ref(OrderedDict, 'fromkeys')))).load()
+    for bad in [pickle.dumps(Ref(OrderedDict, 'fromkeys')), pickle.dumps(Ref(E, 'mro')), touch]:
+        with pytest.raises(pickle.UnpicklingError):
+            checkpoint._SafeUnpickler(io.BytesIO(bad)).load()
+    assert not os.path.exists(marker(6))
+    pickle.loads(touch)
+    assert os.path.exists(marker(6))  # plain pickle runs it
+    # a real checkpoint: model, Muon and AdamW state, anchor
+    import toy  # noqa: F401  (plugs the toy world into model.py)
+    from model import load_policy
+    from optimizer import build
+    from trust_region import Anchor
+    policy = load_policy('assets/toy', 'cpu')
+    opts = build(policy, 'muon', 1e-4, 0.01)
+    for p in policy.parameters():
+        p.grad = torch.randn_like(p) if p.requires_grad else None
+    for o in opts:
+        o.step()
+    path = str(tmp_path / 'ckpt_000001')
+    checkpoint.save(path, policy, opts, Anchor(policy).state_dict(), dict(iter_num=1))
+    w = checkpoint.read_tensors(path)
+    assert w and all(torch.equal(w[n], p.detach()) for n, p in policy.named_parameters() if n in w)
+    assert checkpoint.read_tensors(path, 'optim')
+
+
+def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
+    """checkpoint.export writes beside the destination and renames: an export that fails mid-write
+    (disk full: a half-written weights file, then an error) leaves the previous export whole, or
+    none; a temporary directory left by a killed export is cleared by the next one; what is
+    exported loads with diffusers' from_pretrained and holds the checkpoint's weights."""
+    import toy  # noqa: F401  (plugs the toy world into model.py)
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    from model import load_policy
+    policy = load_policy(os.path.join(ROOT, 'assets/toy'), 'cpu')
+    loop = dict(iter_num=1, config=dict(model=os.path.join(ROOT, 'assets/toy'), lora_rank=0))
+    out, dest = str(tmp_path / 'out'), str(tmp_path / 'out' / 'export')
+    opt = [torch.optim.AdamW(policy.parameters())]
+
+    def exported_equals(policy):
+        e = T.from_pretrained(dest)
+        sd = policy.state_dict()
+        return all(torch.equal(v, sd[k]) for k, v in e.state_dict().items())
+
+    checkpoint.save(os.path.join(out, 'ckpt_000001'), policy, opt, {}, loop)
+    os.makedirs(dest + '.tmp')  # left by an export that was killed
+    open(os.path.join(dest + '.tmp', 'junk'), 'w').close()
+    checkpoint.export(out, dest, torch.float32)
+    assert exported_equals(policy) and not os.path.exists(dest + '.tmp') and 'junk' not in os.listdir(dest)
+    before = {f: open(os.path.join(dest, f), 'rb').read() for f in os.listdir(dest)}
+
+    def disk_full(self, save_directory, **kwargs):
+        os.makedirs(save_directory, exist_ok=True)
+        with open(os.path.join(save_directory, 'diffusion_pytorch_model.safetensors'), 'wb') as f:
+            f.write(b'half')
+        raise OSError('No space left on device')
+
+    with torch.no_grad():
+        policy.proj_out.weight.add_(1.0)  # a newer checkpoint to export
+    checkpoint.save(os.path.join(out, 'ckpt_000002'), policy, opt, {}, dict(loop, iter_num=2))
+    with monkeypatch.context() as m:
+        m.setattr(T, 'save_pretrained', disk_full)
+        with pytest.raises(OSError, match='No space'):
+            checkpoint.export(out, dest, torch.float32)
+        with pytest.raises(OSError, match='No space'):  # a first export that fails: none at all
+            checkpoint.export(out, str(tmp_path / 'none'), torch.float32)
+    assert before == {f: open(os.path.join(dest, f), 'rb').read() for f in os.listdir(dest)}  # the old one, whole
+    assert not os.path.exists(tmp_path / 'none') and sorted(os.listdir(tmp_path)) == ['out']
+    checkpoint.export(out, dest, torch.float32)  # and the next export replaces it
+    assert exported_equals(policy) and sorted(os.listdir(out)) == ['ckpt_000001', 'ckpt_000002', 'export', 'latest']
+
+
+def test_forget_after_drops_an_owed_evaluation(tmp_path):
+    """Resume at iteration k: later iterations' log lines and eval videos go; with eval_owed (a
+    preemption cut iteration k's evaluation short, the resumed run evaluates first) k's evaluation
+    rows and videos go too, its training row stays."""
+    rows = [{'iter': 0, 'eval_composite': 0.1}, {'iter': 1, 'reward': 0.2}, {'iter': 1, 'eval_composite': 0.3},
+            {'iter': 2, 'reward': 0.4}]
+    for owed, kept in ((False, rows[:3]), (True, rows[:2])):
+        out = tmp_path / str(owed)
+        os.makedirs(out / 'eval')
+        (out / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+        for i in (0, 1, 2):
+            (out / 'eval' / f'iter{i:06d}_0.mp4').write_bytes(b'')
+        checkpoint.forget_after(str(out), 1, eval_owed=owed)
+        assert [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()] == kept
+        assert sorted(os.listdir(out / 'eval')) == [f'iter{i:06d}_0.mp4' for i in ((0, 1) if not owed else (0,))]
