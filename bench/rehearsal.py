@@ -80,7 +80,8 @@ HUNYUAN = dict(
     byt5=dict(d_model=1472, d_kv=64, d_ff=3584, num_layers=1, num_heads=6),  # google/byt5-small's widths
     vae=dict(latent_channels=32, block_out_channels=(128, 256, 512, 1024, 1024), layers_per_block=1),
     transformer=dict(_T, num_layers=blocks),
-    dtype=torch.bfloat16,  # the text encoders as released (the trainer loads the pipeline in bf16)
+    dtype=torch.bfloat16,  # the text encoders and VAE (the trainer loads the pipeline in bf16)
+    transformer_dtype=torch.float32,
 )
 VIDEOALIGN = dict(
     real_ids=True, extra_vocab=151936 - 151657,  # Qwen2-VL-2B-Instruct's config vocab_size - len(tokenizer)
@@ -125,7 +126,9 @@ def build(root=cache_dir, n_blocks=None, sizes=None):
     from tiny_hunyuan import make_tiny_hunyuan
     from tiny_videoalign import make_tiny_videoalign
     n_blocks = blocks if n_blocks is None else n_blocks
-    hv, va, cl = sizes or (dict(HUNYUAN, transformer=dict(_T, num_layers=n_blocks)), VIDEOALIGN, CLIP)
+    # deep transformers are saved in bf16 (54 blocks: 16.6 GB to write instead of 33 GB; train.py loads fp32)
+    hv, va, cl = sizes or (dict(HUNYUAN, transformer=dict(_T, num_layers=n_blocks),
+                                transformer_dtype=torch.bfloat16 if n_blocks > 8 else torch.float32), VIDEOALIGN, CLIP)
     d = dirs(root, n_blocks)
     make_tiny_hunyuan(d['hunyuan'], hv)  # reuses a finished build
     for name, make in (('videoalign', lambda: make_tiny_videoalign(os.path.join(root, 'videoalign'), va)),
@@ -233,6 +236,9 @@ def checks(d, run_dir, sample_dir):
     out['evals'] = [{k: round(v, 4) for k, v in r.items()} for r in rows if 'eval_composite' in r]
     out['ratio_max'] = [r.get('ratio_max') for r in rows if 'reward' in r]
     out['clipfrac'] = [r.get('clipfrac') for r in rows if 'reward' in r]
+    out['nan_rewards'] = [r.get('nan_rewards') for r in rows if 'reward' in r]
+    logs = os.path.join(work_dir, 'logs')  # a failing VideoAlign scores NaN with a warning instead of raising
+    out['videoalign_warnings'] = sum(open(os.path.join(logs, f)).read().count('VideoAlign:') for f in os.listdir(logs))
     with open(os.path.join(sample_dir, 'metrics.json')) as f:
         out['sample_metrics'] = json.load(f)
     return out
@@ -289,7 +295,8 @@ def main():
               f'--train_prompts={work_dir}/train.txt', f'--eval_prompts={work_dir}/eval.txt', f'--out_dir={run_dir}',
               '--device=cpu', f'--num_frames={num_frames}', f'--height={height}', f'--width={width}', '--fps=8',
               f'--num_steps={num_steps}', '--prompts_per_iter=1', '--group_size=2', '--rollout_batch=1',
-              '--train_batch=1', '--eval_every=0', '--save_every=1', '--diag_every=0', '--eval_videos=1']
+              '--train_batch=1', '--eval_every=0', '--save_every=1', '--diag_every=0', '--eval_videos=1',
+              '--timestep_fraction=0.5']  # one of the 2 steps trained per clip: an iteration is ~10 forwards
     state = {}
     phase('train_2ranks', [py, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py']
           + common + ['--max_iters=2'], on_poll=sigterm_after_first_checkpoint(run_dir, state))

@@ -33,7 +33,8 @@ TINY = dict(
     vae=dict(latent_channels=LATENT_CHANNELS, block_out_channels=VAE_CHANNELS, layers_per_block=1),
     transformer=dict(num_layers=2, num_refiner_layers=1, num_attention_heads=2, attention_head_dim=8,
                      image_embed_dim=IMAGE_EMBED_DIM, rope_axes_dim=(2, 2, 4), task_type='t2v'),
-    dtype=torch.float32,  # of the text encoders as built and saved (the trainer loads them in bf16)
+    dtype=torch.float32,  # of the text encoders and the VAE as built and saved (the trainer loads them in bf16)
+    transformer_dtype=torch.float32,  # of the saved transformer (the trainer loads it in fp32)
 )
 
 # a Qwen-style chat template (written for this test; the pipeline only needs the ChatML layout)
@@ -130,14 +131,14 @@ def make_tiny_pipeline(sizes=TINY):
         feed_forward_proj='gated-gelu', dropout_rate=0.0)).to(dtype).eval()  # ByT5 is a gated-gelu T5
 
     torch.manual_seed(SEED + 2)
-    vae = AutoencoderKLHunyuanVideo15(**sizes['vae']).eval()
+    vae = AutoencoderKLHunyuanVideo15(**sizes['vae']).to(dtype).eval()  # bf16 at real width: half the load
 
     torch.manual_seed(SEED + 3)
     C = sizes['vae']['latent_channels']
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * C + 1, out_channels=C,  # [latents, condition latents, condition mask]
         text_embed_dim=text['hidden_size'], text_embed_2_dim=sizes['byt5']['d_model'],
-        **sizes['transformer']).eval()  # rope axes sum to the head dim
+        **sizes['transformer']).to(sizes['transformer_dtype']).eval()  # rope axes sum to the head dim
 
     return HunyuanVideo15Pipeline(
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
