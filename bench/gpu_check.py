@@ -130,9 +130,9 @@ def write(res):
     md = ['# GPU check: the program itself on one device', '',
           f'Written by `python -m bench.gpu_check --device={res["device"]}` (bench/gpu_check.py). '
           f'{models}{", " + res["gpu"] if res.get("gpu") else ""}.', '',
-          '| phase | command | exit | wall s | peak CUDA GiB | peak RSS GB |', '|---|---|---|---|---|---|']
+          '| phase | command | exit | wall s | peak CUDA GiB | peak RSS GB (tree) | largest process GB |', '|---|---|---|---|---|---|---|']
     for p in res['phases']:
-        md.append(f'| {p["name"]} | `{p["cmd"]}` | {p["rc"]} | {p["seconds"]} | {p["cuda_peak_gb"]} | {p["peak_rss_gb"]} |')
+        md.append(f'| {p["name"]} | `{p["cmd"]}` | {p["rc"]} | {p["seconds"]} | {p["cuda_peak_gb"]} | {p["peak_rss_gb"]} | {p["peak_proc_gb"]} |')
     if 'first_update' in res:
         md += ['', 'First update: ' + ', '.join(f'{k} {v}' for k, v in res['first_update'].items()), '']
     if res.get('failed'):

@@ -64,7 +64,8 @@ width = 112                     # -> 7 latent columns
 num_steps = 2                   # sampler steps (both trained: the SDE's last step is stochastic too)
 threads = 1                     # torch threads per process (2 ranks on 2 cores)
 build_only = False              # build the models and stop
-config = configure(globals(), [a + '=True' if a == '--build_only' else a for a in sys.argv[1:]]
+report_only = False             # rewrite out.md from out.json (no running)
+config = configure(globals(), [a + '=True' if a in ('--build_only', '--report_only') else a for a in sys.argv[1:]]
                    if __name__ == '__main__' else [])
 # -----------------------------------------------------------------------------
 
@@ -141,44 +142,47 @@ def build(root=cache_dir, n_blocks=None, sizes=None):
 
 
 def tree_rss(p):
-    """Resident bytes of a process and all its descendants."""
+    """(resident bytes of a process and all its descendants, of the largest one of them)."""
     import psutil
     try:
         procs = [p] + p.children(recursive=True)
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, 0
+    rss = []
     for q in procs:
         try:
-            total += q.memory_info().rss
+            rss.append(q.memory_info().rss)
         except psutil.NoSuchProcess:
             pass
-    return total
+    return sum(rss), max(rss, default=0)
 
 
 def run_phase(name, cmd, log_dir, env=None, on_poll=None, timeout=None):
     """Run cmd (a list) as a subprocess, polling its process tree's resident memory every 0.2 s.
     on_poll(proc) is called at every poll (e.g. to send a signal). Returns a dict: name, rc, seconds,
-    peak_rss_gb (the whole tree, e.g. torchrun + its 2 workers), log (path)."""
+    peak_rss_gb (the whole tree, e.g. torchrun + its 2 workers; pages shared between processes, such as
+    memory-mapped weights, count once per process), peak_proc_gb (the largest single process), log (path)."""
     import psutil
     os.makedirs(log_dir, exist_ok=True)
     log = os.path.join(log_dir, f'{name}.log')
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
     print(f'[{name}] {" ".join(cmd)}', flush=True)
-    t0, peak = time.time(), 0
+    t0, peak, peak_proc = time.time(), 0, 0
     with open(log, 'w') as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         ps = psutil.Process(proc.pid)
         while proc.poll() is None:
-            peak = max(peak, tree_rss(ps))
+            total, largest = tree_rss(ps)
+            peak, peak_proc = max(peak, total), max(peak_proc, largest)
             if on_poll:
                 on_poll(proc)
             if timeout and time.time() - t0 > timeout:
                 proc.kill()
             time.sleep(0.2)
     res = dict(name=name, rc=proc.returncode, seconds=round(time.time() - t0, 1), peak_rss_gb=round(peak / 2 ** 30, 2),
-               log=log)
-    print(f'[{name}] rc {res["rc"]}, {res["seconds"]} s, peak RSS {res["peak_rss_gb"]} GB (log: {log})', flush=True)
+               peak_proc_gb=round(peak_proc / 2 ** 30, 2), log=log)
+    print(f'[{name}] rc {res["rc"]}, {res["seconds"]} s, peak RSS {res["peak_rss_gb"]} GB (largest process '
+          f'{res["peak_proc_gb"]} GB; log: {log})', flush=True)
     if res['rc'] != 0:
         with open(log) as f:
             print(f.read()[-4000:], flush=True)
@@ -250,9 +254,9 @@ def report(res):
           f'{res["blocks"]} transformer block(s), {num_frames} frames at {height}x{width}, {num_steps} sampler steps, '
           f'{res["threads"]} torch thread(s) per process on {os.cpu_count()} cores. Peak RSS: the whole process tree '
           '(torchrun and both workers together), polled every 0.2 s.', '',
-          '| phase | command | exit | wall s | peak RSS GB |', '|---|---|---|---|---|']
+          '| phase | command | exit | wall s | peak RSS GB (tree) | largest process GB |', '|---|---|---|---|---|---|']
     for p in res['phases']:
-        md.append(f'| {p["name"]} | `{p["cmd"]}` | {p["rc"]} | {p["seconds"]} | {p["peak_rss_gb"]} |')
+        md.append(f'| {p["name"]} | `{p["cmd"]}` | {p["rc"]} | {p["seconds"]} | {p["peak_rss_gb"]} | {p.get("peak_proc_gb", "")} |')
     md += ['', '## Read back', '', '```', json.dumps(res.get('checks', {}), indent=1), '```', '']
     if res.get('failed'):
         md += [f'**Failed at {res["failed"]}**: see its log.', '']
@@ -318,5 +322,8 @@ if __name__ == '__main__':
     torch.set_num_threads(threads)
     if build_only:
         print(json.dumps(build(), indent=1))
+    elif report_only:
+        with open(out + '.json') as f:
+            report(json.load(f))
     else:
         main()

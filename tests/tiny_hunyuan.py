@@ -102,6 +102,10 @@ def _merges(bpe):
     return [tuple(m.split(' ') if isinstance(m, str) else m) for m in merges]
 
 
+def _cast(model, dtype):  # diffusers warns on any .to(dtype) of a model: cast only when it changes something
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
 def make_tiny_pipeline(sizes=TINY):
     """The tiny HunyuanVideo15Pipeline in memory (CPU; float32 unless sizes['dtype'] says otherwise).
     sizes: TINY, or the same keys with other values (bench/rehearsal.py: the real widths)."""
@@ -131,14 +135,14 @@ def make_tiny_pipeline(sizes=TINY):
         feed_forward_proj='gated-gelu', dropout_rate=0.0)).to(dtype).eval()  # ByT5 is a gated-gelu T5
 
     torch.manual_seed(SEED + 2)
-    vae = AutoencoderKLHunyuanVideo15(**sizes['vae']).to(dtype).eval()  # bf16 at real width: half the load
+    vae = _cast(AutoencoderKLHunyuanVideo15(**sizes['vae']), dtype).eval()  # bf16 at real width: half the load
 
     torch.manual_seed(SEED + 3)
     C = sizes['vae']['latent_channels']
-    transformer = HunyuanVideo15Transformer3DModel(
+    transformer = _cast(HunyuanVideo15Transformer3DModel(
         in_channels=2 * C + 1, out_channels=C,  # [latents, condition latents, condition mask]
         text_embed_dim=text['hidden_size'], text_embed_2_dim=sizes['byt5']['d_model'],
-        **sizes['transformer']).to(sizes['transformer_dtype']).eval()  # rope axes sum to the head dim
+        **sizes['transformer']), sizes['transformer_dtype']).eval()  # rope axes sum to the head dim
 
     return HunyuanVideo15Pipeline(
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
