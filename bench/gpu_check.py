@@ -4,6 +4,7 @@ then the program itself, train.py and sample.py, as a user runs them on one GPU.
 
     python -m bench.gpu_check                     # on one GPU, ~10 minutes at most -> results/gpu_check.{md,json}
     python -m bench.gpu_check --device=cpu        # the same phases on a CPU (the rehearsal's 1-block models)
+    python -m bench.gpu_check --device=cpu --tiny # the same with the tests' tiny models: a few minutes
 
 Models: the real weights when weights/ has them (the download commands of train.py's settings:
 HunyuanVideo-1.5-480p_t2v, VideoReward, Qwen2-VL-2B-Instruct, clip-vit-large-patch14, PickScore_v1),
@@ -42,8 +43,9 @@ fullsize = True                 # run bench.fullsize --gpu first (today's stand-
 cache_dir = '/tmp/sage-rehearsal/models'  # the random models (bench/rehearsal.py builds them)
 work_dir = '/tmp/sage-gpu-check'  # train.py's out_dir and sample.py's output (wiped at the start)
 out = 'results/gpu_check'       # writes out.md and out.json
-phase_timeout = 300             # seconds: a phase that runs longer is killed (10 minutes in all)
-config = configure(globals())
+phase_timeout = 300             # seconds: a GPU phase that runs longer is killed (10 minutes in all)
+tiny = False                    # --tiny: tests/tiny_*.py's models instead (a check of this script on a CPU)
+config = configure(globals(), [a + '=True' if a == '--tiny' else a for a in sys.argv[1:]])
 # -----------------------------------------------------------------------------
 
 # runs a script as `python script args` would, then prints its process's CUDA peak (0 on a CPU)
@@ -78,7 +80,7 @@ def main():
 
     def phase(name, cmd, script=False):
         cmd = [py, '-c', PEAK] + cmd if script else cmd
-        r = R.run_phase(name, cmd, os.path.join(work_dir, 'logs'), timeout=phase_timeout)
+        r = R.run_phase(name, cmd, os.path.join(work_dir, 'logs'), timeout=phase_timeout if cuda else None)
         r.update(cmd=R.short(([py] + cmd[3:]) if script else cmd), cuda_peak_gb=cuda_peak(r['log']))
         res['phases'].append(r)
         print(f'[{name}] peak CUDA memory allocated: {r["cuda_peak_gb"]} GiB', flush=True)
@@ -87,11 +89,18 @@ def main():
             write(res)
             raise SystemExit(f'{name} failed (exit {r["rc"]}): {r["log"]}')
 
-    if fullsize:
+    if fullsize and not tiny:
         phase('fullsize', [py, '-m', 'bench.fullsize', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
     if real:
         d = dict(hunyuan=w('HunyuanVideo-1.5-480p_t2v'), videoalign=w('VideoReward'), qwen=w('Qwen2-VL-2B-Instruct'),
                  clip=w('clip-vit-large-patch14'), pickscore=w('PickScore_v1'))
+    elif tiny:  # the size dicts of the tests, through the rehearsal's build (seconds)
+        import tiny_clip
+        import tiny_hunyuan
+        import tiny_videoalign
+        d = R.build(os.path.join(work_dir, 'tiny'), 2, (tiny_hunyuan.TINY, tiny_videoalign.TINY,
+                                                          {k: tiny_clip.TINY for k in R.CLIP}))
+        res['blocks'] = 'tiny'
     else:
         phase('build', [py, '-m', 'bench.rehearsal', '--build_only', f'--blocks={n_blocks}', f'--cache_dir={cache_dir}'])
         d = R.dirs(cache_dir, n_blocks)
@@ -126,9 +135,11 @@ def main():
 
 
 def write(res):
-    models = 'Real weights' if res['real_weights'] else f'Random models at real width, {res["blocks"]} block(s)'
+    models = 'Real weights' if res['real_weights'] else "The tests' tiny random models" if res['blocks'] == 'tiny' \
+        else f'Random models at real width, {res["blocks"]} block(s)'
     md = ['# GPU check: the program itself on one device', '',
-          f'Written by `python -m bench.gpu_check --device={res["device"]}` (bench/gpu_check.py). '
+          f'Written by `python -m bench.gpu_check --device={res["device"]}{" --tiny" if res["blocks"] == "tiny" else ""}` '
+          '(bench/gpu_check.py). '
           f'{models}{", " + res["gpu"] if res.get("gpu") else ""}.', '',
           '| phase | command | exit | wall s | peak CUDA GiB | peak RSS GB (tree) | largest process GB |', '|---|---|---|---|---|---|---|']
     for p in res['phases']:

@@ -23,8 +23,8 @@ Tokenizers are built offline (no hub access): the test tokenizers' byte-level BP
 unreachable '<unused_i>' entries so that every special token sits at its released id (Qwen2.5
 <|endoftext|> 151643 .. 151664; Qwen2-VL's 14 specials from 151643, the reward tokens at 151657-151659;
 CLIP's <|startoftext|> 49406, <|endoftext|> 49407). The BPE merges are few, so a prompt is mostly byte
-tokens: the prompts are sized so that the Qwen tokens fill the pipeline's 1000 and the quoted text
-ByT5's 256 (the real lengths). The VideoAlign instruction tokenises to fewer tokens than with
+tokens: the prompts are sized so that the Qwen tokens come near the pipeline's cap of 1000 (947 valid
+tokens; results/rehearsal.json 'text_tokens') and the quoted text fills ByT5's 256. The VideoAlign instruction tokenises to fewer tokens than with
 Qwen's real BPE, so the reward tokens' positions differ from the released ones (their order does not).
 
 The run, through the entry points a user runs (peak resident memory of the whole process tree and wall time
@@ -102,7 +102,7 @@ CLIP = {  # openai/clip-vit-large-patch14 and yuvalkirstain/PickScore_v1 (CLIP-H
                                   num_attention_heads=16),
                       projection_dim=1024, patch_size=14),
 }
-# a prompt whose Qwen tokens fill the pipeline's 1000 and whose quoted text fills ByT5's 256
+# a prompt of 947 Qwen tokens (the pipeline's cap: 1000) whose quoted text fills ByT5's 256
 GLYPH = 'SAGE GRPO rehearsal at real width ' * 8  # 272 bytes inside the quotes -> 256 ByT5 tokens (truncated)
 LONG = ('a red fox runs through deep snow in a pine forest at dawn, the camera follows it low to the ground, '
         'soft golden light, falling snow, breath visible in the cold air; ') * 7
