@@ -241,6 +241,9 @@ def checks(d, run_dir, sample_dir):
     out['ratio_max'] = [r.get('ratio_max') for r in rows if 'reward' in r]
     out['clipfrac'] = [r.get('clipfrac') for r in rows if 'reward' in r]
     out['nan_rewards'] = [r.get('nan_rewards') for r in rows if 'reward' in r]
+    out['iteration_seconds_rollout_reward_update'] = [[round(r[k], 1) for k in ('t_rollout', 't_reward', 't_update')]
+                                                      for r in rows if 'reward' in r]
+    out['peak_mem_gb_ranks'] = [[round(x, 2) for x in r['peak_mem_gb_ranks']] for r in rows if 'reward' in r]
     logs = os.path.join(work_dir, 'logs')  # a failing VideoAlign scores NaN with a warning instead of raising
     out['videoalign_warnings'] = sum(open(os.path.join(logs, f)).read().count('VideoAlign:') for f in os.listdir(logs))
     with open(os.path.join(sample_dir, 'metrics.json')) as f:
@@ -257,7 +260,10 @@ def report(res):
           '| phase | command | exit | wall s | peak RSS GB (tree) | largest process GB |', '|---|---|---|---|---|---|']
     for p in res['phases']:
         md.append(f'| {p["name"]} | `{p["cmd"]}` | {p["rc"]} | {p["seconds"]} | {p["peak_rss_gb"]} | {p.get("peak_proc_gb", "")} |')
-    md += ['', '## Read back', '', '```', json.dumps(res.get('checks', {}), indent=1), '```', '']
+    md += ['', f'SIGTERM went to {res.get("sigterm_workers", 0)} workers once ckpt_000001 was published; '
+           'iterations 1-2 ran on 2 ranks, 3 on 1 rank after the resume.', '',
+           '## Read back from what the runs wrote', '', '```',
+           '\n'.join(f'{k}: {json.dumps(v)}' for k, v in res.get('checks', {}).items()), '```', '']
     if res.get('failed'):
         md += [f'**Failed at {res["failed"]}**: see its log.', '']
     with open(out + '.md', 'w') as f:
