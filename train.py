@@ -458,7 +458,7 @@ while iter_num < max_iters:
     # ---- update: every trained step of every clip, in a random order per clip
     order = torch.stack([torch.tensor(trained_steps)[torch.randperm(len(trained_steps), generator=torch.Generator()
                          .manual_seed(mix(seed, 'order', iter_num, i)))[:n_train]] for i in gids])  # (n, n_train)
-    stats = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0)
+    stats = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0)
     chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
     bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
     for chunk in chunks:
@@ -477,6 +477,7 @@ while iter_num < max_iters:
                 stats['kl_pos'] += terms.kl_pos.sum().item() / (n_local * n_train)
                 stats['kl_vel'] += terms.kl_vel.sum().item() / (n_local * n_train)
                 stats['clipfrac'] += ((terms.ratio - 1).abs() > clip_range).float().sum().item() / (n_local * n_train)
+                stats['ratio_max'] = max(stats['ratio_max'], (terms.ratio - 1).abs().max().item())  # vs clip_range
                 kl_chunk.append((w_pos * terms.kl_pos + w_vel * terms.kl_vel).mean().item())
                 if kl_update == 'backward':  # the released cadence: this rank's KL of this backward, so
                     controller.update(kl_chunk[-1])  # ranks' lambdas differ (a checkpoint keeps rank 0's)
@@ -506,6 +507,7 @@ while iter_num < max_iters:
                group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
                nan_rewards=int((~valid).sum()), kl_pos=mean_all(stats['kl_pos']), kl_vel=mean_all(stats['kl_vel']),
                lambda_kl=controller.value, clipfrac=mean_all(stats['clipfrac']), grad_norm=stats['grad_norm'],
+               ratio_max=gather(torch.tensor([stats['ratio_max']], device=device)).max().item(),  # max |ratio - 1|
                **diag, **{f'passes_{k}': n for k, n in passes.items()}, t_rollout=t1 - t0, t_reward=t2 - t1, t_update=t3 - t2,
                peak_mem_gb=mem.max().item(), peak_mem_gb_ranks=mem.tolist())  # the worst rank, and each
     if master:

@@ -6,6 +6,8 @@ The experiments: one script per question, run from the repository root as module
     python -m bench.fullsize     # HunyuanVideo 1.5 at 8.3B: memory and FLOPs by fake tensors (results/fullsize.md)
     python -m bench.checkpoint   # checkpoint save/resume and prompt-cache cost at three sizes
     python -m bench.credit       # token-credit cost and maps (results/credit_cost.md)
+    python -m bench.rehearsal    # the real path at real width on CPU, random weights (results/rehearsal.md)
+    python -m bench.gpu_check    # the one command for a lent GPU: train.py, resume, export, sample
 
 bench/common.py is their shared machinery (cached cells, README blocks, the train.py subprocess).
 The method never imports from here: bench/ imports the root, not the other way.

@@ -85,8 +85,19 @@ def test_toy_one_process_and_exact_resume(tmp_path, optimizer):
 def test_toy_fsdp_two_ranks(tmp_path):
     out = str(tmp_path / 'fsdp')
     p = run(SMALL + [f'--out_dir={out}', '--max_iters=2', '--optimizer=muon'], torchrun=True)
-    check_run(out, 2)
+    rows = check_run(out, 2)
     assert 'eval composite before' in p.stdout
+    # one optimizer step per rollout batch: theta == theta_old in the update, the ratio is 1 up to float noise
+    assert all(r['ratio_max'] < 1e-5 and r['clipfrac'] == 0 for r in rows), rows
+
+
+def test_ratio_max_logged_against_the_clip(tmp_path):
+    # two optimizer steps per rollout batch at a large lr: the second one sees ratios far from 1, and the
+    # logged max |ratio - 1| is above the clip exactly when some ratios were clipped
+    out = str(tmp_path / 'r')
+    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--updates_per_iter=2', '--learning_rate=1e-2'])
+    (row,) = [r for r in metrics(out) if 'reward' in r]
+    assert row['ratio_max'] > 1e-4 and row['clipfrac'] > 0, row
 
 
 def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):

@@ -18,9 +18,15 @@ import torch
 SEED = 0  # the random weights derive from it
 MERGES_VOCAB = 600  # size the merge trainer aims for (bytes and bytes</w> come first regardless)
 TEXT = 'a cat walks on the grass, a dog runs in the park at night. a red circle moving left on a beach'
+# every size in one dict per kind: bench/rehearsal.py passes the released widths instead (CLIP-L: text 768,
+# vision 1024, projection 768; PickScore's CLIP-H: text 1024, vision 1280, projection 1024; vocab 49408)
+TINY = dict(vocab_size=None,  # None: the trained BPE's own size; else padded so the specials are 49406, 49407
+            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            projection_dim=16, patch_size=None)  # None: 32 for 'clip', 14 for 'pickscore' (released: 14 both)
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(vocab_size=None):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
 
@@ -32,22 +38,27 @@ def tiny_tokenizer():
                                                          end_of_word_suffix='</w>', show_progress=False))
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(' ')) for m in json.loads(bpe.to_str())['model']['merges']]
     vocab = {}
-    for t in alphabet + [a + '</w>' for a in alphabet] + [''.join(m) for m in merges] + ['<|startoftext|>', '<|endoftext|>']:
+    for t in alphabet + [a + '</w>' for a in alphabet] + [''.join(m) for m in merges]:
+        vocab.setdefault(t, len(vocab))
+    if vocab_size:  # unreachable entries (no merge makes them) put the specials at their released ids
+        vocab.update({f'<unused_{i}>': i for i in range(len(vocab), vocab_size - 2)})
+    for t in ['<|startoftext|>', '<|endoftext|>']:
         vocab.setdefault(t, len(vocab))
     return CLIPTokenizer(vocab=vocab, merges=merges)
 
 
-def make_tiny_clip(root, kind='clip'):
+def make_tiny_clip(root, kind='clip', sizes=TINY):
     from transformers import CLIPConfig, CLIPModel
 
     path = os.path.join(root, {'clip': 'clip-vit-large-patch14', 'pickscore': 'PickScore_v1'}[kind])
-    tok = tiny_tokenizer()
+    tok = tiny_tokenizer(sizes['vocab_size'])
     tok.save_pretrained(path)  # tokenizer.json, tokenizer_config.json
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    text = dict(vocab_size=len(tok), **sizes['text'],
                 max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=2, pad_token_id=1)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=224,
-                  patch_size=32 if kind == 'clip' else 14)
-    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=16, logit_scale_init_value=math.log(100))
+    vision = dict(**sizes['vision'], image_size=224,
+                  patch_size=sizes['patch_size'] or (32 if kind == 'clip' else 14))
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=sizes['projection_dim'],
+                        logit_scale_init_value=math.log(100))
     torch.manual_seed(SEED)
     CLIPModel(config).save_pretrained(path)  # config.json, model.safetensors
     mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]

@@ -25,6 +25,20 @@ EXTRA_VOCAB = 6  # config vocab exceeds the tokenizer, as 151936 > 151657 in the
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's 14 special tokens in id order from 151643 (REAL_IDS: the BPE is padded up to there)
+QWEN2VL_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+FIRST_SPECIAL = 151643  # id of <|endoftext|> in Qwen2-VL's tokenizer
+# every size in one dict: bench/rehearsal.py passes Qwen2-VL-2B's widths instead
+TINY = dict(
+    real_ids=False,  # True: pad the BPE so the special tokens (and the reward tokens after them) get real ids
+    extra_vocab=EXTRA_VOCAB,  # config vocab_size - len(tokenizer) (151936 - 151657 = 279 real)
+    text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, mrope_section=[2, 3, 3]),  # sums to head_dim/2
+    vision=dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2),
+    lora_r=LORA_R, lora_alpha=LORA_ALPHA,
+)
 NORM = {"VQ_mean": 3.6757, "VQ_std": 2.2476, "MQ_mean": 1.1646, "MQ_std": 1.3811, "TA_mean": 2.8105, "TA_std": 2.5121}
 # Qwen2-VL-2B-Instruct's chat template (data)
 CHAT_TEMPLATE = (
@@ -41,8 +55,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer(qwen_dir):
-    """Byte-level BPE with Qwen's special tokens appended after the BPE vocab; returns its length."""
+def _tokenizer(qwen_dir, real_ids=False):
+    """Byte-level BPE with Qwen's special tokens appended after the BPE vocab; returns its length.
+    real_ids: unreachable '<unused_i>' entries pad the vocabulary so that Qwen2-VL's 14 special tokens
+    take their real ids 151643..151656 (len 151657, the reward tokens then get 151657..151659)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,33 +70,44 @@ def _tokenizer(qwen_dir):
     trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator([TEMPLATE, "a cat walks on the grass, a dog runs in the park at night"], trainer)
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIAL])
+    specials = QWEN_SPECIAL
+    if real_ids:  # the same BPE rebuilt over a padded vocabulary (no merge ever produces '<unused_i>')
+        trained = json.loads(tok.to_str())["model"]
+        vocab = dict(trained["vocab"])
+        vocab.update({f"<unused_{i}>": i for i in range(len(vocab), FIRST_SPECIAL)})
+        merges = [tuple(m.split(" ") if isinstance(m, str) else m) for m in trained["merges"]]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        specials = QWEN2VL_SPECIAL
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                  chat_template=CHAT_TEMPLATE)
     hf.save_pretrained(qwen_dir)
     return len(hf), {s: hf.convert_tokens_to_ids(s) for s in QWEN_SPECIAL}
 
 
-def make_tiny_videoalign(root):
+def make_tiny_videoalign(root, sizes=TINY):
     from transformers import Qwen2VLConfig, Qwen2VLModel
 
     ckpt_dir, qwen_dir = os.path.join(root, "VideoReward"), os.path.join(root, "Qwen2-VL-tiny")
     os.makedirs(os.path.join(ckpt_dir, "checkpoint-1"), exist_ok=True)
     os.makedirs(qwen_dir, exist_ok=True)
-    n_tok, ids = _tokenizer(qwen_dir)
+    n_tok, ids = _tokenizer(qwen_dir, sizes["real_ids"])
+    text = dict(sizes["text"])
+    mrope, hidden, lora_r, lora_alpha = text.pop("mrope_section"), text["hidden_size"], sizes["lora_r"], sizes["lora_alpha"]
 
     # ---- config.json, flat like Qwen2-VL-2B-Instruct's (hidden 1536 -> 64, 28 layers -> 2, ...)
     config = {
         "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim/2
-        "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": n_tok + EXTRA_VOCAB,
+        **text, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": mrope},
+        "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": n_tok + sizes["extra_vocab"],
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
-        "vision_config": {"depth": 2, "embed_dim": 32, "mlp_ratio": 2, "num_heads": 2, "in_chans": 3,
-                          "hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+        "vision_config": {**sizes["vision"], "in_chans": 3,
+                          "hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
                           "temporal_patch_size": 2},
         "torch_dtype": "bfloat16",
     }
@@ -109,12 +136,12 @@ def make_tiny_videoalign(root):
             released[f"{module}.base_layer.{leaf}"] = v
             if leaf == "weight":
                 fan_in, fan_out = v.shape[1], v.shape[0]
-                released[f"{module}.lora_A.default.weight"] = torch.randn(LORA_R, fan_in, generator=gen) / fan_in**0.5
-                released[f"{module}.lora_B.default.weight"] = torch.randn(fan_out, LORA_R, generator=gen) * 0.1
+                released[f"{module}.lora_A.default.weight"] = torch.randn(lora_r, fan_in, generator=gen) / fan_in**0.5
+                released[f"{module}.lora_B.default.weight"] = torch.randn(fan_out, lora_r, generator=gen) * 0.1
         else:
             released[k] = v
     released["lm_head.weight"] = sd["language_model.embed_tokens.weight"].clone()  # tied in Qwen2-VL-2B
-    released["rm_head.weight"] = torch.randn(3, 64, generator=gen) / 8.0
+    released["rm_head.weight"] = torch.randn(3, hidden, generator=gen) / hidden**0.5
     released = {"base_model.model." + k: v.to(torch.bfloat16).contiguous() for k, v in released.items()}
     torch.save(released, os.path.join(ckpt_dir, "checkpoint-1", "model.pth"))
 
@@ -129,7 +156,7 @@ def make_tiny_videoalign(root):
                          "output_dim": 3, "use_special_tokens": True, "freeze_vision_tower": False,
                          "freeze_llm": False, "tune_merger": True, "torch_dtype": "bfloat16",
                          "reward_token": "special", "loss_type": "btt"},
-        "peft_lora_config": {"lora_enable": True, "vision_lora": False, "lora_r": LORA_R, "lora_alpha": LORA_ALPHA,
+        "peft_lora_config": {"lora_enable": True, "vision_lora": False, "lora_r": lora_r, "lora_alpha": lora_alpha,
                              "lora_dropout": 0.05, "lora_target_modules": None,
                              "lora_namespan_exclude": ["lm_head", "rm_head", "embed_tokens", "visual"],
                              "lora_modules_to_save": None, "lora_task_type": "CAUSAL_LM", "use_rslora": False,
