@@ -92,6 +92,25 @@ def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
     return path
 
 
+def shared(path, model, prompts, device, master, ddp):
+    """Rank 0 builds the cache (the encoders' memory on one rank only), every rank opens it. An error of
+    rank 0's (e.g. a word outside the toy's vocabulary) stops every rank with the same line."""
+    error = None
+    if master:
+        try:
+            build(path, model, prompts, device)
+        except SystemExit as e:
+            error = str(e)
+    if ddp:
+        import torch.distributed as dist
+        box = [error]
+        dist.broadcast_object_list(box)  # also the barrier: the cache is complete once this returns
+        error = box[0]
+    if error:
+        raise SystemExit(error)
+    return PromptCache(path)
+
+
 class PromptCache:
     """cache[prompt] -> (embeds, mask, embeds_2, mask_2), read from the memory-mapped shard."""
 

@@ -203,20 +203,8 @@ if master:
 # prompt embeddings: computed once by rank 0 with the pipeline's own encoders, written in chunks to
 # out_dir/prompt_cache (prompt_cache.py), encoders freed before the policy is loaded; every rank
 # memory-maps the cache and reads only the prompts it uses
-cache_dir = os.path.join(out_dir, 'prompt_cache')
-error = None
-if master:
-    try:
-        prompt_cache.build(cache_dir, model, set(train_list) | set(eval_list) | {negative_prompt}, device)
-    except SystemExit as e:  # e.g. a word outside the toy's vocabulary: every rank stops with it
-        error = str(e)
-if ddp:
-    box = [error]
-    dist.broadcast_object_list(box)  # also the barrier: the cache is complete once this returns
-    error = box[0]
-if error:
-    raise SystemExit(error)
-text_cache = prompt_cache.PromptCache(cache_dir)
+text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model, set(train_list) | set(eval_list) | {negative_prompt},
+                                  device, master, ddp)
 
 # resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
 ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
