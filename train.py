@@ -126,6 +126,7 @@ weight_decay = 0.01
 grad_clip = 1.0
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
 gradient_checkpointing = True   # recompute block activations in backward
+attention = 'masked_keys'       # blocks' attention: padding masked as keys only (model.py); 'diffusers': its (S, S) mask
 device = 'cuda'                 # 'cuda' or 'cpu'
 seed = 0
 config = configure(globals())
@@ -219,7 +220,8 @@ text_cache = prompt_cache.PromptCache(cache_dir)
 
 # resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
 ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
-policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing)
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
+                     attention=attention)
 params = [p for p in policy.parameters() if p.requires_grad]
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW] or [AdamW]
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
