@@ -124,13 +124,14 @@ def shard(model, cuda, mesh=None):
 class MaskedKeysAttention:
     """diffusers 0.42's HunyuanVideo15AttnProcessor2_0 (joint attention of the video tokens and the
     text + image tokens of a block) with the padding excluded as keys only. diffusers builds a dense
-    (B, 1, S, S) mask, key mask AND query mask, over all S = video + text tokens (~34,600 at 480p,
-    81 frames); SDPA then turns it into an (S, S) bias per sequence (~29 GB for 8 sequences) and
-    cannot use flash or cuDNN kernels. A padded token's query row computes something no one
+    (B, 1, S, S) boolean mask, key mask AND query mask, over all S = video + text tokens (~34,600
+    at 480p, 81 frames), which SDPA turns into an (S, S) bf16 bias per sequence (~29 GB of mask and
+    bias for 8 sequences). A padded token's query row computes something no one
     reads: the token is masked as a key in every later block and dropped at the end. So a key mask
-    (B, S) is enough: diffusers' NATIVE backend hands it to SDPA as (B, 1, 1, S), which the
-    memory-efficient and cuDNN kernels take as a broadcast bias of O(S) memory. Every valid token's
-    output, hence the velocity, equals diffusers' to float rounding (tests/test_attention.py)."""
+    (B, S) is enough: diffusers' NATIVE backend hands it to SDPA as (B, 1, 1, S), which the cuDNN and
+    memory-efficient kernels take as a broadcast bias of O(S) memory (flash takes no mask at all,
+    and t2v always has its masked image token). Every valid token's output, hence the velocity,
+    equals diffusers' to float rounding (tests/test_attention.py); bench/fullsize.py measures the memory."""
     _attention_backend = None  # diffusers' dispatcher settings (attention_backend, context parallel)
     _parallel_config = None
 
