@@ -686,7 +686,7 @@ def time_block(dev, reps=3):
             mask[B // 2:, T // 10:] = False                              # the negative prompt's branch: shorter
             S = V + T
             key_mask = F.pad(mask, (V, 0), value=True)[:, None, None]    # (B, 1, 1, S) what each processor gives SDPA
-            q = torch.empty(B, heads, S, d, device=dev, dtype=dtype)
+            q = torch.empty(B, heads, S, d, device=dev, dtype=dtype, requires_grad=grad)  # grad: the backward's constraints too
             m = key_mask if proc == 'masked_keys' else key_mask.expand(B, 1, S, S)
             kernel = SDPBackend(torch._fused_sdp_choice(q, q, q, m)).name
             del q
