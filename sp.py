@@ -19,7 +19,7 @@ parallel_config=self._parallel_config)` with q, k, v (B, S_local, heads, d) the 
 tokens and key_mask (B, S_local) bool: the dispatcher reshapes it to (B, 1, 1, S_local) and Ulysses
 all-gathers it in the same rank order as the keys. diffusers' own HunyuanVideo15AttnProcessor2_0 cannot:
 its dense (B, 1, S_local, S_local) mask has the local query length, which the all-to-all makes global
-(a shape error), so enable() replaces it with KeyMaskAttention (identical outputs on valid tokens).
+(a shape error), so enable() sets model.MaskedKeysAttention, which does (identical outputs on valid tokens).
 
 Limits: heads % sp == 0 (16 heads: sp 1, 2, 4, 8, 16; the toy's 3 heads: sp 1 or 3) and the video
 tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,018: sp 2 only;
@@ -72,9 +72,9 @@ def enable(model, device_mesh):
     if heads % sp_size:
         raise SystemExit(f'sp_size {sp_size} must divide the transformer\'s {heads} attention heads '
                          '(Ulysses gives each rank heads / sp_size of them)')
-    for block in model.transformer_blocks:
-        if not hasattr(block.attn.processor, '_parallel_config') or _dense_mask(block.attn.processor):
-            block.attn.set_processor(KeyMaskAttention())
+    from model import MaskedKeysAttention, set_attention  # model.py imports this file
+    if not all(isinstance(b.attn.processor, MaskedKeysAttention) for b in model.transformer_blocks):
+        set_attention(model, 'masked_keys')  # diffusers' own processor cannot compose (module docstring)
     config = ContextParallelConfig(ulysses_degree=sp_size, mesh=device_mesh)
     # diffusers picks the device as rank % torch.accelerator.device_count(), which is 0 on a CPU
     cpu = torch.device(device_mesh.device_type).type == 'cpu'
@@ -108,38 +108,6 @@ def pad_text(model, x, text, image_tokens):
     e1, m1, e2, m2 = text
     extra = -(e1.shape[1] + e2.shape[1] + image_tokens) % n
     return [F.pad(e1, (0, 0, 0, extra)), F.pad(m1, (0, extra)), e2, m2]  # padding: masked (0)
-
-
-def _dense_mask(processor):
-    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-    return type(processor) is HunyuanVideo15AttnProcessor2_0
-
-
-class KeyMaskAttention:
-    """A block's joint attention (video + text tokens) as diffusers' HunyuanVideo15AttnProcessor2_0,
-    but masking padded text only as keys, with a (B, S) mask (see the module docstring). A padded
-    token's query row is never read: it is a masked key in every later block and dropped at the end."""
-    _attention_backend = None  # set by diffusers (set_attention_backend, enable_parallelism)
-    _parallel_config = None
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.embeddings import apply_rotary_emb
-        split = lambda t: t.unflatten(2, (attn.heads, -1))  # (B, L, D) -> (B, L, heads, d)
-        q, k, v = (split(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))  # video
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        if image_rotary_emb is not None:  # rope on the video tokens only
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        T = encoder_hidden_states.shape[1]
-        eq, ek, ev = (split(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-        eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
-        q, k, v = torch.cat([q, eq], 1), torch.cat([k, ek], 1), torch.cat([v, ev], 1)  # (B, V + T, heads, d)
-        mask = F.pad(attention_mask.bool(), (q.shape[1] - T, 0), value=True)  # (B, V + T): video always valid
-        out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=self._attention_backend,
-                                    parallel_config=self._parallel_config).flatten(2, 3).to(q.dtype)
-        return attn.to_out[1](attn.to_out[0](out[:, :-T])), attn.to_add_out(out[:, -T:])
 
 
 def spread(fn, n, device_mesh):

@@ -132,6 +132,7 @@ weight_decay = 0.01
 grad_clip = 1.0
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
 gradient_checkpointing = True   # recompute block activations in backward
+attention = 'masked_keys'       # blocks' attention: padding masked as keys only (model.py); 'diffusers': its (S, S) mask
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks that share one clip's tokens (sequence parallel, sp.py); data parallel over world / sp_size
 dist_timeout = 60               # minutes a collective waits (NCCL: 10) for rank 0's solo phases: 10,000 prompts cached (162 s
@@ -208,7 +209,8 @@ text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model, s
 
 # resume: the newest intact checkpoint (a damaged or missing one is named and skipped)
 ckpts = checkpoint.candidates(out_dir, log=print if master else lambda m: None) if init_from == 'resume' else []
-policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing)
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
+                     attention=attention)
 if sp_mesh:  # every forward splits its tokens over the sp group (FSDP still shards over all ranks)
     sp.enable(policy, sp_mesh)
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW] or [AdamW]

@@ -6,7 +6,8 @@ dtypes, no storage), and a ready check for the day GPUs are at hand.
     python -m bench.fullsize                           # the estimate -> results/fullsize.{md,json}, README block
     python -m bench.fullsize --only=train & python -m bench.fullsize --only=rollout,lora; \
         python -m bench.fullsize --reuse=True          # the same in two parallel parts, then assembled
-    python -m bench.fullsize --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance
+    python -m bench.fullsize --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance,
+                                                       # both attention processors timed on one block at 81x480x848
     torchrun --nproc_per_node=8 -m bench.fullsize --gpu   # all GPUs: a full fine-tune micro-step (FSDP2)
     python -m bench.fullsize --gpu --tiny --device=cpu    # the check at tiny size on a CPU (tests/test_fullsize.py)
 
@@ -14,7 +15,9 @@ How the estimate measures: the transformer is built from its config (data:
 assets/hunyuanvideo15_480p_t2v_transformer.json, the diffusers class defaults) on the meta device,
 sharded with model.shard (the trainer's FSDP2 layout: every block, then the root; bf16 params, fp32
 reduce) over a fake process group of 8 ranks played by this one process, and materialised as fake
-tensors. One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
+tensors, its blocks' attention set by model.set_attention as train.py's load path sets it
+(MaskedKeysAttention; --processor=diffusers for diffusers' own, whose runs are also measured
+for the comparison as diffusers_*). One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
 weights swapped in, the policy's forward with both CFG branches and grad, backward with per-block
 checkpointing, then clip + AdamW), under FSDPMemTracker (bytes by category: sharded / gathered
 params, grads, optimizer state, activations, backward temporaries) and FlopCounterMode's per-op
@@ -33,11 +36,12 @@ Two artefacts of measuring this way, removed (each would have looked like a GPU 
 
 Where it knowingly differs from a GPU run, and why:
 - Attention: on a CPU, scaled_dot_product_attention would take the math path and materialise the
-  (S, S) weights. A GPU runs bf16 attention with a boolean mask on the memory-efficient kernel
-  (flash takes no mask); torch first turns the mask into an additive bf16 bias padded to a multiple
-  of 16 columns. gpu_attention() does exactly that and calls that kernel's own op, whose fake
-  kernel allocates what the CUDA kernel does (output + float32 logsumexp, bias saved for backward);
-  its FLOP formula counts 4*B*S^2*h forward, 2.5x that backward.
+  (S, S) weights. A GPU runs bf16 attention with a boolean mask on the cuDNN or memory-efficient
+  kernel (flash takes no mask); torch first turns the mask into an additive bf16 bias padded to a
+  multiple of 16 columns: (B, 1, 1, S) for masked keys, (B, 1, S, S) for diffusers' mask.
+  gpu_attention() does exactly that and calls the memory-efficient kernel's own op, whose fake
+  kernel allocates what the CUDA kernel does (output + float32 logsumexp, bias saved for backward;
+  cuDNN's the same); its FLOP formula counts 4*B*S^2*h forward, 2.5x that backward.
 - The token reorder in diffusers' forward (boolean indexing, torch.all(image_embeds == 0)) has a
   data-dependent shape that fake tensors refuse; transformer() concatenates the same text tokens in
   another order instead: same shapes, bytes and FLOPs (tests check it gives diffusers' velocity).
@@ -47,6 +51,10 @@ Where it knowingly differs from a GPU run, and why:
   Python-side branch on the noise std is a data-dependent bool.
 - What is not measured: the CUDA caching allocator's fragmentation, NCCL buffers, the CUDA context
   (~0.5-1 GB); the VAE decoder's and VideoAlign's activations (their weights are counted).
+- What train.py keeps is counted as it will be once issue 22's fixes are in: gradients freed after
+  the optimizer step (absent from rollouts), the visual metrics (CLIP-L + PickScore) in bf16 during
+  evaluation only (an evaluation row), the decoded frames freed before the update (stated beside
+  the table: they live in the reward phase, which is not measured).
 """
 import json
 import os
@@ -66,7 +74,7 @@ from torch.utils.flop_counter import flop_registry
 from bench import common as C
 from bench.common import table
 from configurator import configure
-from model import IMAGE_TOKENS, _cat_text, shard
+from model import IMAGE_TOKENS, _cat_text, set_attention, shard
 from trust_region import Anchor
 
 # ----------------------------------------------------------------------------- settings
@@ -90,6 +98,8 @@ lora_sizes = ((81, 352, 624), (61, 352, 624), (41, 352, 624), (81, 288, 512))  #
 gpu_gb = 80.0                   # memory of one GPU (H100 80 GB; an H200 has 141)
 tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for time on paper (~40% of H100 dense peak)
 videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
+metrics_params = 1.414e9        # CLIP-L (428M) + PickScore (CLIP-H, 986M): bf16, resident during evaluation only
+processor = 'masked_keys'       # the blocks' attention, train.py's `attention` (model.set_attention); 'diffusers'
 seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
@@ -103,11 +113,12 @@ def load_config(path=model_config):
         return {k: v for k, v in json.load(f).items() if not k.startswith('_')}
 
 
-def build(cfg, lora=0, checkpointing=True, bf16_base=True):
-    """The transformer on the meta device (no memory); LoRA adapters as model.load_policy adds them."""
+def build(cfg, lora=0, checkpointing=True, bf16_base=True, attn=None):
+    """The transformer on the meta device (no memory), its blocks' attention set as model.load_transformer
+    sets it; LoRA adapters as model.load_policy adds them."""
     from diffusers import HunyuanVideo15Transformer3DModel as T
     with torch.device('meta'):
-        model = T.from_config(cfg)
+        model = set_attention(T.from_config(cfg), attn or processor)
         if lora:
             from peft import LoraConfig
             from model import LORA_TARGETS
@@ -164,14 +175,16 @@ def velocity(model, x, s, text, text_neg, bf16):
 def gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
     """torch's CUDA scaled_dot_product_attention for this call (bf16, boolean mask, head dim 128):
     the memory-efficient kernel, the mask converted to an additive bias of q's dtype (a where over
-    the negated mask) and padded to 16-column alignment; q, k, v (B, heads, S, d)."""
+    the negated mask) and padded to 16-column alignment; q, k, v (B, heads, S, d). The cuDNN kernel,
+    which torch prefers where it takes the call (sm90/sm100, cuDNN > 9.15), allocates the same:
+    the output and a float32 logsumexp (B, heads, S)."""
     q, k, v = query, key, value
     if torch.is_autocast_enabled(q.device.type):  # CUDA autocast runs attention in bf16
         q, k, v = (t.to(torch.get_autocast_dtype(q.device.type)) for t in (q, k, v))
     bias = None
     if attn_mask is not None:
         bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
-        bias.masked_fill_(attn_mask.logical_not(), float('-inf'))       # (B, 1, S, S) the (B, S, S) cost
+        bias.masked_fill_(attn_mask.logical_not(), float('-inf'))       # (B, 1, 1, S) masked keys; diffusers': (B, 1, S, S)
         S = bias.shape[-1]
         if S % 16:  # the kernel wants aligned rows: a padded copy, sliced back
             bias = F.pad(bias, (0, 16 - S % 16))[..., :S]
@@ -243,30 +256,34 @@ def rollout_step(model, store, text, text_neg, n, bf16, phase):
     phase('rollout forward')
 
 
-def setup(model, dev):
+def setup(model, dev, grads=True):
     """Steady state before a micro-step: AdamW state exists, gradients of earlier micro-steps are
-    accumulated (train.py zeroes them only at the start of an optimizer step), and after an update
-    they stay allocated through the next rollout."""
+    accumulated (train.py zeroes them only at the start of an optimizer step). Before a rollout
+    (grads=False) they are freed: train.py frees them right after the optimizer step (issue 22)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, foreach=True)  # foreach: the CUDA default
     for p in params:
         p.grad = torch.full_like(p, 1e-3)  # full, not zeros: written pages (the real-RSS test counts them)
     opt.step()
+    if not grads:
+        opt.zero_grad(set_to_none=True)
     return opt
 
 
 class FlopCount(TorchDispatchMode):
     """FlopCounterMode's per-op formulas (matmuls, convolutions, attention) without its module
     hooks, which keep every checkpointed block's recomputed activations alive through backward
-    (measured: +37% peak on the test config, real tensors, RSS)."""
-    total = 0
+    (measured: +37% peak on the test config, real tensors, RSS); attn: the attention kernels' part."""
+    total = attn = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
             return NotImplemented  # count the local ops DTensor runs
         out = func(*args, **(kwargs or {}))
         if func._overloadpacket in flop_registry:
-            self.total += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+            f = flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+            self.total += f
+            self.attn += f * ('attention' in func._overloadpacket.__name__)  # SDPA kernels, forward and backward
         return out
 
 
@@ -276,9 +293,10 @@ def snap(tracker, kind='current'):
 
 
 def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16=True, n_store=None, L=None,
-            rollout_n=rollout_batch):
+            rollout_n=rollout_batch, proc=None):
     """Peak bytes per rank by category and FLOPs of one micro-step ('train') or one rollout forward
-    ('rollout'). world > 0: FSDP2 over a fake process group of `world` ranks (fake=True only)."""
+    ('rollout'). world > 0: FSDP2 over a fake process group of `world` ranks (fake=True only).
+    proc: the blocks' attention (model.set_attention; default the `processor` setting)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -294,7 +312,8 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
             dist.destroy_process_group()
         dist.init_process_group('fake', rank=0, world_size=world, store=FakeStore())
         mesh = init_device_mesh('cpu', (world,))  # before the fake mode: a mesh of real ranks
-    model = build(cfg, lora)
+    proc = proc or processor
+    model = build(cfg, lora, attn=proc)
     model.forward = partial(transformer, model)  # called as model(...): FSDP's root hooks gather its weights
     P = sum(p.numel() for p in model.parameters())
     P_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -308,7 +327,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         import torch.distributed.tensor._sharding_prop as sharding_prop
         prop_mode = FakeTensorMode(allow_non_fake_inputs=True)
         sharding_prop.detect_fake_mode = lambda *a, **k: prop_mode
-    res = dict(what=what, frames=Fr, height=H, width=W, world=world, lora=lora, P=P, P_trainable=P_train,
+    res = dict(what=what, frames=Fr, height=H, width=W, world=world, lora=lora, attention=proc, P=P, P_trainable=P_train,
                tokens=((Fr - 1) // 4 + 1) * (H // 16) * (W // 16), text=L1 + L2 + IMAGE_TOKENS, phases={})
     with mode, attention(attn):
         model.to_empty(device='cpu')
@@ -316,7 +335,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
             with torch.no_grad():
                 for p in model.parameters():
                     p.normal_(0, 0.02)
-        opt = setup(model, 'cpu')
+        opt = setup(model, 'cpu', grads=what == 'train')
         tracker = FSDPMemTracker(model, opt) if world else MemTracker()
         if not world:
             tracker.track_external(model, opt)
@@ -332,12 +351,13 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
             mid = snap(tracker)['Total']
             store, text, text_neg = inputs(cfg, max(n_store, rollout_n), Fr, H, W, L1, L2, 'cpu')
             resident = dict(anchor=mid - base, store=snap(tracker)['Total'] - mid)
-            last = [0]
+            last = [0, 0]
 
             def phase(name):  # peak of this part by category, and its FLOPs
-                f = flops.total
-                res['phases'][name] = dict(peak={k: v for k, v in snap(tracker, 'peak').items() if v}, flops=f - last[0])
-                last[0] = f
+                f, fa = flops.total, flops.attn
+                res['phases'][name] = dict(peak={k: v for k, v in snap(tracker, 'peak').items() if v}, flops=f - last[0],
+                                           attn_flops=fa - last[1])
+                last[:] = f, fa
                 tracker._peak_mem_snap = tracker.get_tracker_snapshot()  # restart the peak (private API)
                 tracker._peak_mem = {d: s['Total'] for d, s in tracker._peak_mem_snap.items()}
                 if name == 'anchor forward':  # FSDPMemTracker's module stats allow one forward per module
@@ -416,23 +436,29 @@ def estimate():
             json.dump(r, f, indent=1, default=str)
         print(f'[{time.time() - t0:5.0f}s] {key}: peak {r["peak"]["Total"] / GiB:.1f} GiB', flush=True)
         return r
-    runs = [run(f'{what}_{H}x{W}', what, num_frames, H, W) for H, W in sizes for what in ('train', 'rollout')]
+    sfx = '' if processor == 'masked_keys' else '_' + processor
+    runs = [run(f'{what}_{H}x{W}{sfx}', what, num_frames, H, W) for H, W in sizes for what in ('train', 'rollout')]
     for Fr, H, W in lora_sizes:  # config/lora_1gpu.py: 2 prompts x G 4 = 8 clips, rollout_batch 1
-        r = run(f'lora_train_{Fr}x{H}x{W}', 'train', Fr, H, W, world=0, lora=lora_rank, n_store=8, rollout_n=1)
+        r = run(f'lora_train_{Fr}x{H}x{W}{sfx}', 'train', Fr, H, W, world=0, lora=lora_rank, n_store=8, rollout_n=1)
         runs.append(r)
         if r is None or (r['peak']['Total'] + sum(extras.values())) / GiB <= gpu_gb:
-            runs.append(run(f'lora_rollout_{Fr}x{H}x{W}', 'rollout', Fr, H, W, world=0, lora=lora_rank, n_store=8,
+            runs.append(run(f'lora_rollout_{Fr}x{H}x{W}{sfx}', 'rollout', Fr, H, W, world=0, lora=lora_rank, n_store=8,
                             rollout_n=1))
             break
     runs = [r for r in runs if r is not None]
+    # the same full fine-tune runs with diffusers' own attention processor: what masked keys replace
+    reference = [] if sfx else [run(f'diffusers_{what}_{H}x{W}', what, num_frames, H, W, proc='diffusers')
+                                for H, W in sizes for what in ('train', 'rollout')]
+    reference = [r for r in reference if r is not None]
     blk = build(cfg, checkpointing=False).transformer_blocks[0]
     P_blk = sum(p.numel() for p in blk.parameters())
     P_txt = sum(p.numel() for n, p in blk.named_parameters() if 'context' in n or 'add_' in n)
-    for r in runs:
+    for r in runs + reference:
         r['categories'] = categories(r)
         r['formula'] = formula(r['P'], P_blk, P_txt, cfg['num_layers'], cfg['num_attention_heads'] *
                                cfg['attention_head_dim'], r['tokens'], r['text'])
-    out = dict(config=config, extras=extras, runs=runs, seconds=time.time() - t0, torch=torch.__version__)
+    out = dict(config=config, extras=extras, eval_extras={'CLIP-L + PickScore (bf16)': 2 * metrics_params},
+               runs=runs, reference=reference, seconds=time.time() - t0, torch=torch.__version__)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'fullsize.json'), 'w') as f:
         json.dump(out, f, indent=1, default=str)
@@ -469,16 +495,26 @@ def gpu_hours(passes, size=(352, 624), tflops=tflops, path=os.path.join('results
     return sum(n * cost(k) for k, n in passes.items()) / (tflops * 1e12) / 3600
 
 
+def twin(out, r):
+    """r's run with diffusers' own attention processor (out['reference']), or None."""
+    return next((q for q in out.get('reference', []) if (q['what'], q['world'], q['lora'], q['frames'], q['height'],
+                                                          q['width']) == (r['what'], r['world'], r['lora'], r['frames'],
+                                                                          r['height'], r['width'])), None)
+
+
 def summary(out):
-    """The README's block: each run's measured peak per GPU next to the formula's total."""
+    """The README's block: each run's measured peak per GPU (masked-key attention, train.py's), and
+    with diffusers' own attention processor where measured."""
     runs, extras = out['runs'], sum(out['extras'].values())
-    rows = [[f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}',
-             r['what'], f'{r["frames"]}x{r["height"]}x{r["width"]}', f'{r["categories"]["total"] / GiB:.1f}',
-             f'{(r["categories"]["total"] + extras) / GiB:.1f}',
-             f'{sum(v for k, v in r["formula"].items() if k != "F") / GiB:.1f}' if r['world'] and r['what'] == 'train' else '',
-             r['peak_phase']] for r in runs]
+    g = lambda b: f'{b / GiB:.1f}'
+    rows = [[f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}'
+             + ('' if r.get('attention') == out['config'].get('processor', 'masked_keys') else
+                f" ({r.get('attention', 'diffusers')}' attention)"),
+             r['what'], f'{r["frames"]}x{r["height"]}x{r["width"]}', g(r['categories']['total']),
+             g(r['categories']['total'] + extras),
+             g(twin(out, r)['categories']['total'] + extras) if twin(out, r) else '', r['peak_phase']] for r in runs]
     return table(['setup', 'run', 'frames x H x W', 'peak GiB/GPU (transformer)', '+ VAE, VideoAlign',
-                  'old formula', 'peak in'], rows)
+                  "same, diffusers' attention", 'peak in'], rows)
 
 
 def update_readme(out, path='README.md'):
@@ -489,7 +525,9 @@ def report(out):
     """results/fullsize.md: what the README and bench/toy.py's section 5 quote."""
     runs, extras, c = out['runs'], out['extras'], out['config']
     name = lambda r: (f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}: '
-                      f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]}')
+                      f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]}'
+                      + ('' if r.get('attention') == c.get('processor', 'masked_keys') else
+                         f" ({r.get('attention', 'diffusers')}' attention)"))
     g = lambda b: f'{b / GiB:.1f}'
     P = runs[0]['P']
     md = ['## HunyuanVideo 1.5 at full size: per-GPU memory and FLOPs, measured by torch', '',
@@ -500,8 +538,13 @@ def report(out):
           'both CFG branches, backward with per-block checkpointing, clip + AdamW) or one rollout forward '
           f'({c["rollout_batch"]} clips x 2 CFG branches for FSDP, 1 clip for LoRA), on fake tensors, with FSDP2 applied by '
           'model.shard over a fake process group, bf16 compute; memory by FSDPMemTracker / MemTracker, FLOPs by '
-          "FlopCounterMode's formulas. Attention is dispatched as on a GPU (memory-efficient kernel, the boolean mask "
-          'as a padded bf16 bias). Steady state: AdamW state and accumulated gradients exist before the step. '
+          "FlopCounterMode's formulas. The blocks' attention is train.py's: model.MaskedKeysAttention "
+          f'(`attention = \'{c.get("processor", "masked_keys")}\'`), padded text and image tokens masked as keys only, '
+          'a (B, S) key mask that SDPA takes as a broadcast bias; it runs as on a GPU (the memory-efficient kernel, '
+          'the mask as a padded bf16 bias; cuDNN allocates the same). What train.py keeps (issue 22, as train.py does '
+          'once its fixes are in): AdamW state and accumulated gradients exist during the training step; the gradients '
+          'are freed right after the optimizer step, so no rollout or evaluation holds them; one copy of the stored '
+          'rollout. '
           f'Text {sum(c["text_tokens"])} + 1 tokens (upper bound). Not included: CUDA context, allocator fragmentation, '
           'NCCL buffers, VAE/VideoAlign activations (their weights are: the VAE counted from its class, VideoAlign '
           f'taken as {c["videoalign_params"] / 1e9:.1f} B parameters). The method is checked against a real CPU run of '
@@ -514,7 +557,51 @@ def report(out):
     for k, v in extras.items():
         rows.append([f'+ resident {k}'] + [g(v)] * len(runs))
     rows.append(['**total with resident extras**'] + [f'**{g(r["categories"]["total"] + sum(extras.values()))}**' for r in runs])
+    ev = out.get('eval_extras', {})
+    for k, v in ev.items():  # evaluation: ODE rollouts of the same batch, the visual metrics loaded for it
+        rows.append([f'+ during evaluation only: {k}'] + [g(v) if r['what'] == 'rollout' else '' for r in runs])
+    if ev:
+        rows.append(['**evaluation peak**'] + [f'**{g(r["categories"]["total"] + sum(extras.values()) + sum(ev.values()))}**'
+                                               if r['what'] == 'rollout' else '' for r in runs])
     md += [table(['GiB'] + [name(r) for r in runs], rows), '']
+    frames = lambda r: (c['clips'] // max(r['world'], 1) if r['world'] else 8) * r['frames'] * 3 * r['height'] * r['width'] * 4
+    md += ['Also kept by train.py, outside these peaks: the decoded frames of the rank\'s clips (float32, '
+           + ', '.join(f'{g(frames(r))} GiB at {r["height"]}x{r["width"]}' for r in runs if r['world'] and r['what'] == 'rollout')
+           + '), alive from the decode through reward scoring and freed before the update (issue 22), so in neither '
+           'the rollout forward nor the training step; the reward phase (VAE decode, VideoAlign forward: activations '
+           'not measured) holds them. The evaluation peak above is a bound: the last rollout stays stored through it.', '']
+    ref = [(r, twin(out, r)) for r in runs if twin(out, r)]
+    if ref:
+        md += ["### Attention: diffusers' processor against masked keys (full fine-tune, 8 GPUs)", '',
+               "diffusers 0.42's HunyuanVideo15AttnProcessor2_0 builds a (B, 1, S, S) boolean mask per block (key mask "
+               'AND query mask, S = video + text + image tokens) that SDPA turns into a bf16 bias; model.MaskedKeysAttention '
+               'gives SDPA the (B, S) key mask alone (a padded query row is never read: the token is masked as a key in '
+               'every later block and dropped at the end; tests/test_attention.py: every valid token and the velocity '
+               "equal diffusers' to float32 rounding). Same runs, same accounting, only the processor differs.", '']
+        rows = []
+        for r, q in ref:
+            tot = lambda x: x['categories']['total']
+            fl = [k for k in r['phases'] if r['phases'][k].get('attn_flops') is not None]
+            af, ff = sum(r['phases'][k]['attn_flops'] for k in fl), sum(r['phases'][k]['flops'] for k in fl)
+            rows.append([name(r), g(tot(q)), g(tot(r)), g(tot(q) + sum(extras.values())), g(tot(r) + sum(extras.values())),
+                         q['peak_phase'], f'{100 * af / ff:.0f}%' if ff else ''])
+        md += [table(['run', 'peak, diffusers', 'peak, masked keys', '+ VAE, VideoAlign, diffusers',
+                      '+ VAE, VideoAlign, masked keys', 'peak phase (diffusers)', 'attention share of FLOPs'], rows), '',
+               'Which kernel SDPA takes on a GPU (torch\'s dispatch rules, aten/src/ATen/native/transformers/cuda/'
+               'sdp_utils.cpp; bf16, head dim 128, no dropout): flash never takes a mask, so neither path gets it. '
+               "With diffusers' mask: cuDNN where torch prefers it (sm90/sm100 with cuDNN > 9.15; it accepts a (B, 1, S, S) "
+               'mask), else the memory-efficient kernel; either reads a materialised (B, S, S) bf16 bias (plus the two '
+               '(B, S, S) boolean masks diffusers builds). With masked keys: the same two kernels with a (B, 1, 1, S) '
+               'bias, broadcast over heads and query rows: O(B S) memory. A batch without any padding could take flash, '
+               'but t2v always has its masked image token. `python -m bench.fullsize --gpu` prints the kernel torch '
+               'picks for each processor and times both on one block at 81x480x848.',
+               '', 'Not chosen, and why: trimming each batch\'s text to its valid tokens removes the mask only where every '
+               'sequence of the batch has the same length, which CFG batches (prompt and negative prompt) never do, and '
+               'the image token is padding in every t2v batch; grouping a batch by length needs the lengths on the host '
+               '(a sync per block) and shapes fake tensors cannot measure. Variable-length attention '
+               '(torch.nn.attention.varlen_attn) needs packed keys or `seqused_k`, which is inference-only in torch 2.13, '
+               'and has no CPU kernel to test against diffusers. The key mask leaves O(B S) bytes, nothing to win on memory; '
+               'what flash would add over cuDNN / memory-efficient is speed, for the GPU check to measure.', '']
     md += ['### Against bench/toy.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
     for r in [r for r in runs if r['world'] and r['what'] == 'train']:
         m, f = r['categories'], r['formula']
@@ -573,11 +660,12 @@ def report(out):
                f'swap (Anchor.applied saves the policy\'s): peak {g(ph["anchor forward"]["peak"]["Total"])} GiB there.']
     ro = [r for r in runs if r['world'] and r['what'] == 'rollout']
     if ro:
-        md += ['- The rollout forward, absent from the formulas, is the peak of an iteration: '
-               + ', '.join(f'{g(r["peak"]["Total"])} GiB at {r["height"]}x{r["width"]}' for r in ro)
-               + f' ({c["rollout_batch"]} clips x 2 branches in one batch: the (B, 1, S, S) boolean mask diffusers '
-               'builds per block, and the bf16 bias SDPA makes of it, grow with B x S^2), gradients still allocated '
-               'from the last update.']
+        tr = {(r['height'], r['width']): r['peak']['Total'] for r in runs if r['world'] and r['what'] == 'train'}
+        md += ['- The rollout forward, absent from the formulas: '
+               + ', '.join(f'{g(r["peak"]["Total"])} GiB at {r["height"]}x{r["width"]} (training step: '
+                           f'{g(tr.get((r["height"], r["width"]), 0))})' for r in ro)
+               + f' ({c["rollout_batch"]} clips x 2 branches in one batch, gradients freed), with masked-key '
+               "attention; with diffusers' (B, 1, S, S) mask it was the peak of an iteration (table above)."]
     for r in [r for r in runs if r['lora'] and r['what'] == 'train']:
         tot = (r['peak']['Total'] + sum(extras.values())) / GiB
         md += [f'- LoRA r{r["lora"]} on one GPU, {r["frames"]}x{r["height"]}x{r["width"]}: {tot:.1f} GiB with the VAE and '
@@ -593,10 +681,68 @@ TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head
             rope_axes_dim=(2, 2, 4))  # SPEC 5's tiny transformer: builds in milliseconds
 
 
+def time_block(dev, reps=3):
+    """Both attention processors (model.set_attention) on one transformer block at real size
+    (81x480x848: 33,390 video + 1,257 text tokens, text padded as a CFG batch pads it): a rollout
+    forward (rollout_batch clips x 2 branches, no grad) and a training forward + backward (1 clip x
+    2 branches). Seconds per call, peak memory, and the SDPA kernel torch picks for the call."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import (
+        HunyuanVideo15RotaryPosEmbed, HunyuanVideo15TransformerBlock)
+    from torch.nn.attention import SDPBackend
+    cuda = dev.startswith('cuda')
+    cfg = TINY if tiny else load_config()
+    heads, d = cfg['num_attention_heads'], cfg['attention_head_dim']
+    D, dtype = heads * d, torch.bfloat16 if cuda else torch.float32
+    f, h, w = ((9, 64, 96) if tiny else (num_frames, *sizes[-1]))
+    f, h, w = (f - 1) // 4 + 1, h // 16, w // 16
+    V, T = f * h * w, (12 if tiny else sum(text_tokens)) + IMAGE_TOKENS    # video, text + image tokens
+    torch.manual_seed(seed)
+    blk = HunyuanVideo15TransformerBlock(heads, d, mlp_ratio=4.0, qk_norm='rms_norm').to(dev, dtype)
+    rope = HunyuanVideo15RotaryPosEmbed(1, 1, cfg.get('rope_axes_dim', (16, 56, 56)), 256.0)(
+        torch.empty(1, 1, f, h, w, device=dev))                          # (cos, sin), each (V, d)
+    out = {}
+    for proc in ('diffusers', 'masked_keys'):
+        set_attention(SimpleNamespace(transformer_blocks=[blk]), proc)
+        for what, B, grad in (('rollout forward', 2 * rollout_batch, False), ('train forward+backward', 2, True)):
+            x = torch.randn(B, V, D, device=dev, dtype=dtype, requires_grad=grad)
+            txt = torch.randn(B, T, D, device=dev, dtype=dtype, requires_grad=grad)
+            temb = torch.randn(B, D, device=dev, dtype=dtype)
+            mask = torch.ones(B, T, device=dev, dtype=torch.bool)        # valid tokens first, as diffusers orders them
+            mask[:, -IMAGE_TOKENS:] = False                              # t2v's image token
+            mask[B // 2:, T // 10:] = False                              # the negative prompt's branch: shorter
+            S = V + T
+            key_mask = F.pad(mask, (V, 0), value=True)[:, None, None]    # (B, 1, 1, S) what each processor gives SDPA
+            q = torch.empty(B, heads, S, d, device=dev, dtype=dtype, requires_grad=grad)  # grad: the backward's constraints too
+            m = key_mask if proc == 'masked_keys' else key_mask.expand(B, 1, S, S)
+            kernel = SDPBackend(torch._fused_sdp_choice(q, q, q, m)).name
+            del q
+
+            def call():
+                with torch.set_grad_enabled(grad):
+                    a, b = blk(x, txt, temb, mask, rope)
+                    if grad:
+                        (a.float().square().mean() + b.float().square().mean()).backward()
+            call()  # warm-up (kernel selection, allocator)
+            if cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)
+            t = time.time()
+            for _ in range(reps):
+                call()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            out[f'{proc}: {what}'] = dict(seconds=(time.time() - t) / reps, kernel=kernel, batch=B, tokens=S,
+                                          peak_gib=(torch.cuda.max_memory_allocated(dev) - base) / GiB if cuda else 0.0)
+            del x, txt
+    return out
+
+
 def check():
     """Real tensors, random weights of the real size (no download): under torchrun a full
     fine-tune micro-step with FSDP2 on every rank, else a LoRA micro-step on one device; a rollout
-    forward; the PPO ratio of clips rolled out in a batch and recomputed one at a time."""
+    forward; the PPO ratio of clips rolled out in a batch and recomputed one at a time; both
+    attention processors timed on one block (time_block)."""
     import resource
     import sde
     ddp = 'RANK' in os.environ
@@ -637,6 +783,7 @@ def check():
         torch.cuda.reset_peak_memory_stats(dev)
     t[0] = time.time()
     train_step(model, anchor, opt, store, text, text_neg, cuda, phase)
+    opt.zero_grad(set_to_none=True)  # train.py frees the gradients after the optimizer step (issue 22)
     rollout_step(model, store, text, text_neg, rollout_batch, cuda, phase)
     # batch invariance: logp of each clip's step from the batched rollout forward, then recomputed
     # alone (as the update does); exp(difference) is the PPO ratio at theta == theta_old
@@ -650,6 +797,11 @@ def check():
                for i in range(rollout_batch)]
     ratio = torch.exp(torch.cat(one) - st.logp)                         # (n,) exactly 1 if batch-invariant
     res['ratio_distance'] = (ratio - 1).abs().max().item()
+    P = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+    del model, anchor, opt, store, x, v, st  # free the device for the block timing
+    if cuda:
+        torch.cuda.empty_cache()
+    res['block'] = time_block(dev) if master else {}
     est = {}
     path = os.path.join(out_dir, 'fullsize.json')
     if not tiny and os.path.exists(path):
@@ -659,11 +811,10 @@ def check():
                                          and (r['height'], r['width']) == (H, W)), None)
         est = {k: pick(w, dist.get_world_size() if ddp else 0) for k, w in (('train', 'train'), ('rollout', 'rollout'))}
     if master:
-        P = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
         print(f'check on {dev} x{dist.get_world_size() if ddp else 1}: {"full fine-tune, FSDP2" if ddp else f"LoRA r{lora_rank}"}, '
               f'~{P / 1e9:.3f}B params, {Fr}x{H}x{W}')
         for name, r in res.items():
-            if name == 'ratio_distance':
+            if name in ('ratio_distance', 'block'):
                 continue
             e = est.get('rollout' if 'rollout' in name else 'train')
             e = e and e['phases'].get(name)
@@ -672,6 +823,8 @@ def check():
         d = res['ratio_distance']
         print(f'  PPO ratio, batched rollout vs one clip at a time: max |ratio - 1| = {d:.2e} '
               f'({"above" if d > 1e-4 else "within"} the clip range 1e-4)')
+        for name, r in res['block'].items():
+            print(f'  block, {name:38s} {r["seconds"]:8.3f} s   peak {r["peak_gib"]:7.2f} GiB   SDPA kernel {r["kernel"]}')
         print('CHECK_JSON ' + json.dumps(res))
     if ddp:
         dist.destroy_process_group()

@@ -40,17 +40,26 @@ def test_estimate_matches_a_real_cpu_run():
 def test_fixed_order_forward_is_diffusers_forward():
     # all text tokens valid: the reorder in diffusers' forward is then the identity on the tokens
     from diffusers import HunyuanVideo15Transformer3DModel as T
-    from model import velocity
+    from model import set_attention, velocity
     torch.manual_seed(0)
     model = T(**bf.TINY).eval()
     x, s = torch.randn(2, 4, 3, 4, 6), torch.tensor([0.7, 0.3])
     text = [torch.randn(2, 5, 16), torch.ones(2, 5), torch.randn(2, 3, 8), torch.ones(2, 3)]
     neg = [torch.randn(2, 4, 16), torch.ones(2, 4), torch.randn(2, 3, 8), torch.ones(2, 3)]
     with torch.no_grad():
-        ref = velocity(model, x, s, text, cfg=6.0, text_neg=neg)
+        ref = velocity(model, x, s, text, cfg=6.0, text_neg=neg)  # diffusers' forward and attention processor
+        set_attention(model, bf.processor)  # the bench's attention: train.py's (masked keys)
         model.forward = lambda *a: bf.transformer(model, *a)
         got = bf.velocity(model, x, s, text, neg, bf16=False)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_bench_attention_is_train_attention():
+    # build() sets the blocks' attention as model.load_transformer does for train.py
+    import model
+    net = bf.build(bf.TINY, checkpointing=False)
+    assert bf.processor == model.ATTENTIONS[0] == 'masked_keys'
+    assert all(type(b.attn.processor) is model.MaskedKeysAttention for b in net.transformer_blocks)
 
 
 def test_gpu_attention_allocates_and_counts_what_the_kernel_does():
