@@ -31,7 +31,7 @@ def test_toy_tvrl_frame_granularity_two_ranks(tmp_path):
 
 def test_bad_credit_setting_fails_clearly(tmp_path):
     p = run(SMALL + [f'--out_dir={tmp_path / "bad"}', '--credit=tokens'], check=False)
-    assert p.returncode != 0 and "credit must be 'none' or 'tvrl'" in p.stdout + p.stderr
+    assert p.returncode != 0 and "credit must be one of 'none', 'tvrl', got 'tokens'" in p.stdout + p.stderr
 
 
 def test_hunyuan_path_tiny_parts_tvrl(tmp_path):

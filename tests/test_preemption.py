@@ -14,7 +14,9 @@ own status is non-zero after a SIGTERM whatever its workers did).
 Without the fix (the iteration finishes first) torchrun SIGKILLs both ranks 30 s after the SIGTERM.
 Cost: four torchrun launches, two of them a whole iteration: 5.9 min of CPU (user + sys, both ranks,
 every launch), so ~3 min on 2 free cores; measured 11.6 min wall on a shared 2-core machine at load
-~10 (one iteration 324 s there). It scales with STEPS (STEPS = 60: ~1.2 min, a ~22 s iteration).
+~10 (one iteration 324 s there). It scales with STEPS: the suite runs STEPS = 60 (~1.2 min, a ~22 s iteration: the exits take 2-4 s, so
+what they show does not depend on the iteration's length); PREEMPT_STEPS=170 python -m pytest
+tests/test_preemption.py runs the >= 60 s iteration of the issue (run by hand: exits 3.7 s and 2.3 s).
 """
 import os
 import signal
@@ -28,9 +30,9 @@ from test_train import ROOT, metrics, run, weights
 
 import checkpoint
 
-STEPS = 170  # sampler steps, every one trained: one iteration of 4 clips a rank (one batched forward
+STEPS = int(os.environ.get('PREEMPT_STEPS', 60))  # sampler steps, every one trained: one iteration of 4 clips a rank (one batched forward
              # per rollout step, one clip per update micro-step) costs ~0.35 s of CPU a step and rank,
-             # so ~60 s on 2 unloaded cores; each boundary (a forward, a micro-step) is < 0.5 s
+             # so ~60 s on 2 unloaded cores at 170; each boundary (a forward, a micro-step) is < 0.5 s
 ARGS = ['train.py', 'config/toy.py', '--prompts_per_iter=4', '--group_size=2', '--rollout_batch=4', '--train_batch=1',
         '--timestep_fraction=1.0', f'--num_steps={STEPS}', '--diag_every=0', '--eval_every=0', '--eval_samples=1',
         '--eval_videos=0', '--kl_update=backward', '--max_iters=1', '--export_dtype=']

@@ -28,6 +28,7 @@ SKIP = ('t_rollout', 't_reward', 't_update', 'peak_mem_gb', 'peak_mem_gb_ranks',
         'passes_diag', 'passes_diag_anchor', 'passes_eval')  # real work that grows with the ranks: every rank
         # runs the diagnostics on its own clip, and evaluation pads its items to a multiple of the world size
 ATOL = 1e-10  # kl_vel is 0 up to float noise (~1e-13) at one optimizer step per rollout batch
+ATOL_RATIO = 1e-6  # ratio_max, max |ratio - 1|: float32 noise (~6e-8) at theta == theta_old, vs the 1e-4 clip
 
 
 def eval_prompts(tmp_path):
@@ -59,7 +60,8 @@ def test_two_ranks_equal_one_process(tmp_path, optimizer, lr, rtol, eval_samples
     assert sum('gnorm_first' in r for r in ra) == 2 and sum('eval_composite' in r for r in ra) == 2
     for a, b in zip(ra, rb):
         for k in set(a) - set(SKIP):
-            assert a[k] == pytest.approx(b[k], rel=rtol, abs=ATOL), (a['iter'], k, a[k], b[k])
+            atol = ATOL_RATIO if k == 'ratio_max' else ATOL
+            assert a[k] == pytest.approx(b[k], rel=rtol, abs=atol), (a['iter'], k, a[k], b[k])
 
 
 # train.py with probes: at every sampling call (rollouts and evaluation) no trainable weight holds a
