@@ -383,8 +383,8 @@ def main():
         bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')][-1:]  # the last: 8.3B on a node of 8 GPUs
         C.put_block('README.md', 'bench.checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
             f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
-            f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) + '.',
-            '- How these were measured, and every config: [results/checkpoint.md](results/checkpoint.md).'])
+            f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) +
+            '. How, and every config: [results/checkpoint.md](results/checkpoint.md).'])
     print(text)
 
 

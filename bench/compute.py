@@ -337,9 +337,10 @@ if __name__ == '__main__':
     if out == 'results' and os.path.exists('README.md'):  # the short block: one row a setting; the rest in results/
         short = [[k, f'{f["n_train"]}/{dict(FULL, **f["full_settings"])["num_steps"]}', f'{f["gpu_hours_iter"] / full_gpus:.3f}',
                   f'{f["days_run"]:.1f}', cmp.get(k, {}).get('verdict', '')] for k, f in res['full'].items()]
-        C.put_block('README.md', 'bench.compute', note + [
-            f'Full-size estimate (FLOPs per pass measured at 352x624, an assumed {TFLOPS:.0f} TFLOP/s per GPU, 8 GPUs, '
-            f'{full_iters:,} iterations); toy verdict at equal passes vs every step trained ([results/compute.md](results/compute.md)):', '',
+        C.put_block('README.md', 'bench.compute', [  # how many runs are missing: results/compute.md
+            f'**How to spend a GPU budget**: train.py logs its transformer passes by kind (`passes_*`), '
+            f'`bench/fullsize.gpu_hours` prices them at full size (FLOPs per pass measured at 352x624, an assumed '
+            f'{TFLOPS:.0f} TFLOP/s per GPU, 8 GPUs, {full_iters:,} iterations); toy verdict at equal passes vs every step trained ([results/compute.md](results/compute.md)):', '',
             table(['setting', 'trained steps', 'h/iter', 'days', 'toy verdict'], short)])
     for k, c in cmp.items():
         print(f'{k}: {c["verdict"]}')
