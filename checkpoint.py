@@ -388,9 +388,9 @@ class Preemption:
 
     def begin(self, save, *stateful):
         """From here to stepped(), a stop calls save() (a collective checkpoint of the last finished
-        iteration; it returns the path) after giving each of `stateful` (state_dict/load_state_dict)
+        iteration; it returns the path) after giving each of `stateful` (state_dict/load_state_dict, or a dict)
         back the state it has now."""
-        self.save, self.snapshot = save, [(o, copy.deepcopy(o.state_dict())) for o in stateful]
+        self.save, self.snapshot = save, [(o, copy.deepcopy(o if isinstance(o, dict) else o.state_dict())) for o in stateful]
 
     def stepped(self):
         """The weights moved: no stop before the next begin()."""
@@ -402,7 +402,11 @@ class Preemption:
         if self.save is None or not self.requested():
             return
         for o, state in self.snapshot:
-            o.load_state_dict(state)
+            if isinstance(o, dict):  # train.py's pass counts: restored in place
+                o.clear()
+                o.update(state)
+            else:
+                o.load_state_dict(state)
         path = self.save()
         if self.rank == 0:
             print(f'preempted: {path} published; resume with --init_from=resume', flush=True)

@@ -21,6 +21,7 @@ import os
 import sys
 import types
 
+from attention import ATTENTIONS
 from credit import GRANULARITIES
 from equalizer import MEDIANS
 from metrics import NAMES as METRICS
@@ -57,7 +58,7 @@ RULES = dict(
     sampler=one_of(*SAMPLERS), kl_strategy=one_of(*STRATEGIES), optimizer=one_of(*OPTIMIZERS),
     median=one_of(*MEDIANS), credit=one_of('none', 'tvrl'), credit_granularity=one_of(*GRANULARITIES),
     kl_update=one_of('step', 'backward'), prompt_noise=one_of('fresh', 'fixed'),
-    init_from=one_of('scratch', 'resume'), reward_model=one_of('videoalign', 'toy'),
+    init_from=one_of('scratch', 'resume'), attention=one_of(*ATTENTIONS), reward_model=one_of('videoalign', 'toy'),
     device=one_of('cuda', 'cpu'), export_dtype=one_of('bfloat16', 'float16', 'float32', ''),
     eval_metrics=list_of(*METRICS), kl_direction=one_of(1, -1),
     credit_window=((lambda v: len(v) == 3 and all(k >= 1 and k % 2 for k in v)), '3 odd sizes (t, h, w) >= 1'),

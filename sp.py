@@ -19,7 +19,7 @@ parallel_config=self._parallel_config)` with q, k, v (B, S_local, heads, d) the 
 tokens and key_mask (B, S_local) bool: the dispatcher reshapes it to (B, 1, 1, S_local) and Ulysses
 all-gathers it in the same rank order as the keys. diffusers' own HunyuanVideo15AttnProcessor2_0 cannot:
 its dense (B, 1, S_local, S_local) mask has the local query length, which the all-to-all makes global
-(a shape error), so enable() sets model.MaskedKeysAttention, which does (identical outputs on valid tokens).
+(a shape error), so enable() sets attention.MaskedKeysAttention, which does (identical outputs on valid tokens).
 
 Limits: heads % sp == 0 (16 heads: sp 1, 2, 4, 8, 16; the toy's 3 heads: sp 1 or 3) and the video
 tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,018: sp 2 only;
@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from diffusers.models._modeling_parallel import (ContextParallelConfig, ContextParallelInput,
                                                  ContextParallelOutput)
 from torch.distributed.device_mesh import init_device_mesh
+
+from attention import MaskedKeysAttention, set_attention
 
 # where diffusers' hooks split and gather (module name -> inputs or outputs): the rope tables, the
 # first block's two streams and every block's text mask are split on the token axis; the last
@@ -72,7 +74,6 @@ def enable(model, device_mesh):
     if heads % sp_size:
         raise SystemExit(f'sp_size {sp_size} must divide the transformer\'s {heads} attention heads '
                          '(Ulysses gives each rank heads / sp_size of them)')
-    from model import MaskedKeysAttention, set_attention  # model.py imports this file
     if not all(isinstance(b.attn.processor, MaskedKeysAttention) for b in model.transformer_blocks):
         set_attention(model, 'masked_keys')  # diffusers' own processor cannot compose (module docstring)
     config = ContextParallelConfig(ulysses_degree=sp_size, mesh=device_mesh)

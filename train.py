@@ -132,7 +132,7 @@ weight_decay = 0.01
 grad_clip = 1.0
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
 gradient_checkpointing = True   # recompute block activations in backward
-attention = 'masked_keys'       # blocks' attention: padding masked as keys only (model.py); 'diffusers': its (S, S) mask
+attention = 'masked_keys'       # blocks' attention: padding masked as keys only (attention.py); 'diffusers': its (S, S) mask
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks that share one clip's tokens (sequence parallel, sp.py); data parallel over world / sp_size
 dist_timeout = 60               # minutes a collective waits (NCCL: 10) for rank 0's solo phases: 10,000 prompts cached (162 s
@@ -376,7 +376,7 @@ if eval_owed:  # the base model's scores, or the evaluation a preemption cut sho
 policy.train()
 while iter_num < max_iters:
     t0 = time.time()
-    preemption.begin(save_checkpoint, controller)  # until the first optimizer step: weights of iteration iter_num
+    preemption.begin(save_checkpoint, controller, passes)  # until the first optimizer step: weights of iteration iter_num
     # ---- rollout: G clips per prompt, keeping per step what training needs
     trained_steps = sde.window(stochastic, sde_window, mix(seed, 'window', iter_num))  # stochastic and trained
     S = (scales(sampler, sigmas.cpu(), eta, median, trained_steps) if equalizer else torch.ones(num_steps)).to(device)  # (N,)

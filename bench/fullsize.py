@@ -15,7 +15,7 @@ How the estimate measures: the transformer is built from its config (data:
 assets/hunyuanvideo15_480p_t2v_transformer.json, the diffusers class defaults) on the meta device,
 sharded with model.shard (the trainer's FSDP2 layout: every block, then the root; bf16 params, fp32
 reduce) over a fake process group of 8 ranks played by this one process, and materialised as fake
-tensors, its blocks' attention set by model.set_attention as train.py's load path sets it
+tensors, its blocks' attention set by attention.set_attention as train.py's load path sets it
 (MaskedKeysAttention; --processor=diffusers for diffusers' own, whose runs are also measured
 for the comparison as diffusers_*). One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
 weights swapped in, the policy's forward with both CFG branches and grad, backward with per-block
@@ -74,7 +74,8 @@ from torch.utils.flop_counter import flop_registry
 from bench import common as C
 from bench.common import table
 from configurator import configure
-from model import IMAGE_TOKENS, _cat_text, set_attention, shard
+from attention import set_attention
+from model import IMAGE_TOKENS, _cat_text, shard
 from trust_region import Anchor
 
 # ----------------------------------------------------------------------------- settings
@@ -99,7 +100,7 @@ gpu_gb = 80.0                   # memory of one GPU (H100 80 GB; an H200 has 141
 tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for time on paper (~40% of H100 dense peak)
 videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
 metrics_params = 1.414e9        # CLIP-L (428M) + PickScore (CLIP-H, 986M): bf16, resident during evaluation only
-processor = 'masked_keys'       # the blocks' attention, train.py's `attention` (model.set_attention); 'diffusers'
+processor = 'masked_keys'       # the blocks' attention, train.py's `attention` (attention.set_attention); 'diffusers'
 seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
@@ -296,7 +297,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
             rollout_n=rollout_batch, proc=None):
     """Peak bytes per rank by category and FLOPs of one micro-step ('train') or one rollout forward
     ('rollout'). world > 0: FSDP2 over a fake process group of `world` ranks (fake=True only).
-    proc: the blocks' attention (model.set_attention; default the `processor` setting)."""
+    proc: the blocks' attention (attention.set_attention; default the `processor` setting)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -538,7 +539,7 @@ def report(out):
           'both CFG branches, backward with per-block checkpointing, clip + AdamW) or one rollout forward '
           f'({c["rollout_batch"]} clips x 2 CFG branches for FSDP, 1 clip for LoRA), on fake tensors, with FSDP2 applied by '
           'model.shard over a fake process group, bf16 compute; memory by FSDPMemTracker / MemTracker, FLOPs by '
-          "FlopCounterMode's formulas. The blocks' attention is train.py's: model.MaskedKeysAttention "
+          "FlopCounterMode's formulas. The blocks' attention is train.py's: attention.MaskedKeysAttention "
           f'(`attention = \'{c.get("processor", "masked_keys")}\'`), padded text and image tokens masked as keys only, '
           'a (B, S) key mask that SDPA takes as a broadcast bias; it runs as on a GPU (the memory-efficient kernel, '
           'the mask as a padded bf16 bias; cuDNN allocates the same). What train.py keeps (issue 22, as train.py does '
@@ -574,7 +575,7 @@ def report(out):
     if ref:
         md += ["### Attention: diffusers' processor against masked keys (full fine-tune, 8 GPUs)", '',
                "diffusers 0.42's HunyuanVideo15AttnProcessor2_0 builds a (B, 1, S, S) boolean mask per block (key mask "
-               'AND query mask, S = video + text + image tokens) that SDPA turns into a bf16 bias; model.MaskedKeysAttention '
+               'AND query mask, S = video + text + image tokens) that SDPA turns into a bf16 bias; attention.MaskedKeysAttention '
                'gives SDPA the (B, S) key mask alone (a padded query row is never read: the token is masked as a key in '
                'every later block and dropped at the end; tests/test_attention.py: every valid token and the velocity '
                "equal diffusers' to float32 rounding). Same runs, same accounting, only the processor differs.", '']
@@ -682,7 +683,7 @@ TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head
 
 
 def time_block(dev, reps=3):
-    """Both attention processors (model.set_attention) on one transformer block at real size
+    """Both attention processors (attention.set_attention) on one transformer block at real size
     (81x480x848: 33,390 video + 1,257 text tokens, text padded as a CFG batch pads it): a rollout
     forward (rollout_batch clips x 2 branches, no grad) and a training forward + backward (1 clip x
     2 branches). Seconds per call, peak memory, and the SDPA kernel torch picks for the call."""

@@ -1,4 +1,4 @@
-"""model.MaskedKeysAttention against diffusers' own HunyuanVideo15AttnProcessor2_0, on the tiny
+"""attention.MaskedKeysAttention against diffusers' own HunyuanVideo15AttnProcessor2_0, on the tiny
 real pipeline (tests/tiny_hunyuan.py) with prompts encoded by its own encoders: every valid token
 of every block and the model's output agree to float32 rounding, in batches that mix prompt
 lengths (with and without ByT5 text), both CFG branches and t2v's masked image tokens; and no
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import attention
 import model
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,7 +34,7 @@ def nets(root):
     """The tiny transformer loaded twice through model.py: masked keys (default) and diffusers'."""
     a, b = model.load_transformer(root).eval(), model.load_transformer(root, attention='diffusers').eval()
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-    assert all(isinstance(blk.attn.processor, model.MaskedKeysAttention) for blk in a.transformer_blocks)
+    assert all(isinstance(blk.attn.processor, attention.MaskedKeysAttention) for blk in a.transformer_blocks)
     assert all(isinstance(blk.attn.processor, HunyuanVideo15AttnProcessor2_0) for blk in b.transformer_blocks)
     return a, b
 
@@ -81,7 +82,7 @@ def test_every_valid_token_and_the_velocity_equal_diffusers(root, cache):
     assert (v - res['ref_v']).abs().max() > 1e-3
 
 
-class Unmasked(model.MaskedKeysAttention):
+class Unmasked(attention.MaskedKeysAttention):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         return super().__call__(attn, hidden_states, encoder_hidden_states, None, image_rotary_emb)
 

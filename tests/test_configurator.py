@@ -71,6 +71,7 @@ TRAIN = [
     ('kl_update', ['iter'], 'backward', "'step', 'backward'"),
     ('prompt_noise', ['same'], 'fixed', "'fresh', 'fixed'"),
     ('init_from', ['latest'], 'resume', "'scratch', 'resume'"),
+    ('attention', ['flash', 'masked'], 'diffusers', "'masked_keys', 'diffusers'"),
     ('reward_model', ['clip'], 'videoalign', "'videoalign', 'toy'"),
     ('device', ['gpu', 'cuda:0'], 'cpu', "'cuda', 'cpu'"),
     ('export_dtype', ['fp16'], '', "'bfloat16', 'float16', 'float32', ''"),

@@ -40,7 +40,8 @@ def test_estimate_matches_a_real_cpu_run():
 def test_fixed_order_forward_is_diffusers_forward():
     # all text tokens valid: the reorder in diffusers' forward is then the identity on the tokens
     from diffusers import HunyuanVideo15Transformer3DModel as T
-    from model import set_attention, velocity
+    from attention import set_attention
+    from model import velocity
     torch.manual_seed(0)
     model = T(**bf.TINY).eval()
     x, s = torch.randn(2, 4, 3, 4, 6), torch.tensor([0.7, 0.3])
@@ -56,10 +57,10 @@ def test_fixed_order_forward_is_diffusers_forward():
 
 def test_bench_attention_is_train_attention():
     # build() sets the blocks' attention as model.load_transformer does for train.py
-    import model
+    import attention
     net = bf.build(bf.TINY, checkpointing=False)
-    assert bf.processor == model.ATTENTIONS[0] == 'masked_keys'
-    assert all(type(b.attn.processor) is model.MaskedKeysAttention for b in net.transformer_blocks)
+    assert bf.processor == attention.ATTENTIONS[0] == 'masked_keys'
+    assert all(type(b.attn.processor) is attention.MaskedKeysAttention for b in net.transformer_blocks)
 
 
 def test_gpu_attention_allocates_and_counts_what_the_kernel_does():
