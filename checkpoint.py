@@ -30,14 +30,12 @@ Where this differs from a plain dcp.save of everything, and why:
   it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
   exact.
 
-Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py tests/test_preemption.py
+Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py (preemption.py: tests/test_preemption.py)
 """
-import copy
 import json
 import os
 import pickle
 import shutil
-import signal
 import sys
 import zlib
 
@@ -106,7 +104,7 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
     """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it; returns
     path. anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state.
     A path this process already published or resumed from holds this very state (a preemption right
-    after a save or a resume: nothing has stepped since, see Preemption): it is not rewritten (its
+    after a save or a resume: nothing has stepped since, see preemption.py): it is not rewritten (its
     loop.json may owe an evaluation that has run since: it runs again, logged once)."""
     out_dir, name = os.path.split(os.path.abspath(path))
     if os.path.join(out_dir, name) in _published:  # the same on every rank: no collective needed
@@ -351,72 +349,6 @@ def forget_after(out_dir, iter_num, eval_owed=False):
     for v in os.listdir(videos) if os.path.isdir(videos) else []:
         if v.startswith('iter') and int(v[4:10]) >= iter_num + (not eval_owed):  # iter000123_4.mp4
             os.remove(os.path.join(videos, v))
-
-
-class Preemption:
-    """SIGTERM stops the run at the next forward or micro-batch boundary (point()), checkpointed,
-    with exit status 0: launchers SIGKILL 30 s after their SIGTERM (torchrun's shutdown timeout,
-    SLURM's KillWait), and one iteration at 8.3B takes minutes to hours. Until the iteration's first
-    optimizer step the weights, optimizer and anchor are those of the last finished iteration, so
-    that is the state saved; what changes earlier (the lambda_KL controller under
-    kl_update='backward') is put back as it was at begin(). Every random draw is a function of
-    (seed, iteration, clip), so the resumed run redoes the cut iteration bitwise. After the first
-    optimizer step of an iteration (updates_per_iter > 1) the boundaries do nothing until the next
-    begin(): the iteration finishes and train.py checkpoints it at its end.
-    A second SIGTERM, or a SIGINT, exits at once. Either way the last published checkpoint stays
-    intact (atomic publication), and the half-written temporary directory is removed by the next save."""
-
-    def __init__(self, rank=0, device='cpu'):
-        self.rank, self.device, self.flag = rank, device, False
-        self.save, self.snapshot = None, []  # None: no resumable state at hand (see begin)
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
-
-    def on_signal(self, signum, frame):
-        if signum == signal.SIGINT or self.flag:
-            os._exit(128 + signum)  # at once: no cleanup that could touch the checkpoints
-        self.flag = True
-        print(f'rank {self.rank}: SIGTERM, checkpoint at the next forward boundary, then exit', flush=True)
-
-    def requested(self, device=None):
-        """Whether any rank got SIGTERM: one all_reduce, so that every rank stops at the same point."""
-        if not dist.is_initialized():
-            return self.flag
-        t = torch.tensor([float(self.flag)], device=device or self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item() > 0  # on a GPU a sync, once per forward of seconds
-
-    def begin(self, save, *stateful):
-        """From here to stepped(), a stop calls save() (a collective checkpoint of the last finished
-        iteration; it returns the path) after giving each of `stateful` (state_dict/load_state_dict, or a dict)
-        back the state it has now."""
-        self.save, self.snapshot = save, [(o, copy.deepcopy(o if isinstance(o, dict) else o.state_dict())) for o in stateful]
-
-    def stepped(self):
-        """The weights moved: no stop before the next begin()."""
-        self.save = None
-
-    def point(self):
-        """A boundary between forwards. Collective between begin() and stepped() (every rank passes
-        the same boundaries: same batch counts), a no-op without communication outside."""
-        if self.save is None or not self.requested():
-            return
-        for o, state in self.snapshot:
-            if isinstance(o, dict):  # train.py's pass counts: restored in place
-                o.clear()
-                o.update(state)
-            else:
-                o.load_state_dict(state)
-        path = self.save()
-        if self.rank == 0:
-            print(f'preempted: {path} published; resume with --init_from=resume', flush=True)
-        _barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # out from deep inside the loop, whose frames hold the FSDP model: a normal exit would tear
-        # the process group down before the model (an abort at exit, see the end of train.py);
-        # nothing is left to write
-        os._exit(0)
 
 
 def resolve(path):

@@ -25,7 +25,7 @@ Where this code knowingly differs from the paper or its released code:
 - config/released.py is the released run as far as these settings express it (with sources).
 - CPS log-probabilities are the true Gaussian density (the reference drops its constants).
 - SIGTERM stops at the next forward or micro-batch and saves the last finished iteration (the unit a
-  checkpoint resumes from, bitwise; checkpoint.Preemption): the grace period must cover a forward and a save.
+  checkpoint resumes from, bitwise; preemption.py): the grace period must cover a forward and a save.
 - With one optimizer step per rollout batch (the default), theta == theta_old during the update:
   the ratio is exactly 1, the clip never acts, and the velocity KL term and its gradient are 0.
   updates_per_iter > 1 splits the batch into several optimizer steps, where both act.
@@ -57,6 +57,7 @@ from credit import credit_map
 from equalizer import scales
 from loss import denominator, grpo_loss
 from optimizer import build as build_optimizers, zero_grad
+from preemption import Preemption
 from model import PASS_KINDS, batch_text, count_passes, generators, latent_shape, load_decoder, load_policy, \
     noise, sample, save_mp4, velocity
 from reward import combine, group_advantages, sample_indices, score_and_grad
@@ -162,8 +163,8 @@ if n_clips % dp_world:
 n_local = n_clips // dp_world  # clips of this rank's group: global indices dp_rank * n_local + j
 
 # preemption: the first SIGTERM stops at the next forward / micro-batch boundary (preemption.point())
-# with a checkpoint of the last finished iteration, a second SIGTERM or a SIGINT exits at once (checkpoint.Preemption)
-preemption = checkpoint.Preemption(rank, device)
+# with a checkpoint of the last finished iteration, a second SIGTERM or a SIGINT exits at once (preemption.py)
+preemption = Preemption(rank, device)
 
 
 def mix(*parts):

@@ -119,13 +119,13 @@ def run_script(monkeypatch, script, args):
     ('-m bench.toy', BENCH, []),
 ])
 def test_every_range_one_line_before_anything(monkeypatch, tmp_path, script, cases, base):
-    import checkpoint
     import model
+    import preemption
     from bench import common
     monkeypatch.chdir(ROOT)
-    # the first thing each script does after its settings: checkpoint.Preemption (train.py, after the
+    # the first thing each script does after its settings: preemption.Preemption (train.py, after the
     # distributed setup), model.is_toy (sample.py), bench.common.setup (bench.toy)
-    monkeypatch.setattr(checkpoint, 'Preemption', stop)
+    monkeypatch.setattr(preemption, 'Preemption', stop)
     monkeypatch.setattr(model, 'is_toy', stop)
     monkeypatch.setattr(common, 'setup', stop)
     out = tmp_path / 'out'

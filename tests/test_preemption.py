@@ -1,5 +1,5 @@
 """
-Preemption under torchrun --nproc_per_node=2 (checkpoint.Preemption, train.py's boundaries), with an
+Preemption under torchrun --nproc_per_node=2 (preemption.py, train.py's boundaries), with an
 iteration long enough (>= 60 s on 2 CPU cores) that finishing it would outlast the launchers' 30 s
 between SIGTERM and SIGKILL:
 - SIGTERM mid-update of a fresh run: both ranks exit 0 within 20 s, having published the checkpoint
