@@ -381,6 +381,11 @@ def main():
     if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
         # the tables and how they were measured stay in results/checkpoint.md; the README quotes the headlines
         bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')][-1:]  # the last: 8.3B on a node of 8 GPUs
+        run = [r for k, r in ck['runs'].items() if k.endswith('dcp 2')][-1]  # the largest measured: bytes a parameter
+        disk = sum(run['save']['written_gb']) / run['P'] * TARGET_P  # on disk, extrapolated to 8.3B
+        bold.append(f'Disk per checkpoint at {TARGET_P / 1e9:.1f}B: about {disk:.0f} GB ({disk / TARGET_P * 1e9:.1f} bytes a '
+                    f'parameter as written at {run["P"] / 1e6:.0f}M: fp32 weights, AdamW moments, anchor), '
+                    f'1/{TARGET_N} of it written by each rank; `keep_checkpoints` of them stay.')
         C.put_block('README.md', 'bench.checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
             f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
             f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) +
