@@ -118,3 +118,18 @@ def test_sigterm_mid_update_and_mid_rollout_resume_bitwise(tmp_path):
     assert la['controller'] == lb['controller'] and la['controller']['updates'] > 0
     ra, rb = ([{k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))} for r in metrics(d)] for d in (ref, out))
     assert ra == rb, (ra, rb)
+
+
+def test_second_sigterm_or_sigint_exits_at_once(tmp_path):
+    """The first SIGTERM only asks for a stop at the next boundary; a second, or a SIGINT, ends the
+    process at once with 128 + the signal (no cleanup that could touch a checkpoint)."""
+    code = ('import os, signal, sys, time; sys.path.insert(0, {root!r}); from preemption import Preemption\n'
+            'p = Preemption(); os.kill(os.getpid(), signal.{first}); time.sleep(0.5)\n'
+            'assert p.flag and p.requested(); print("asked", flush=True)\n'
+            'os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print("still here")')
+    for first, rc in (('SIGTERM', 128 + signal.SIGTERM), ('SIGINT', 128 + signal.SIGINT)):
+        r = subprocess.run([sys.executable, '-c', code.format(root=ROOT, first=first)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == rc, (first, r.returncode, r.stdout, r.stderr[-2000:])
+        assert ('asked' in r.stdout) == (first == 'SIGTERM') and 'still here' not in r.stdout
+
