@@ -137,13 +137,8 @@ def check_formula(rows, settings):
 
 def load_bench():
     """bench/compute.py's functions, without running its main (settings at their defaults)."""
-    import sys
-    argv, sys.argv = sys.argv, ['bench/compute.py']
-    try:
-        from bench import compute
-    finally:
-        sys.argv = argv
-    return compute
+    from test_verdicts import load
+    return load('compute')
 
 
 def test_full_window_is_bitwise_today(tmp_path):

@@ -20,14 +20,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def load():
-    """bench/verdicts.py's functions, without running its main (settings at their defaults)."""
-    argv, sys.argv = sys.argv, ['bench/verdicts.py']
+def load(name='verdicts'):
+    """bench/<name>.py's functions, without running its main (settings at their defaults)."""
+    import importlib
+    argv, sys.argv = sys.argv, [f'bench/{name}.py']
     try:
-        from bench import verdicts as bench_verdicts
+        return importlib.import_module(f'bench.{name}')
     finally:
         sys.argv = argv
-    return bench_verdicts
 
 
 def test_t_quantile_matches_printed_tables():
