@@ -94,6 +94,8 @@ text_tokens = (1000, 256)       # Qwen and ByT5 tokens, the upper bound (model.v
 rollout_batch = 4               # clips per rollout forward and rank (train.py)
 clips = 32                      # clips per iteration: 8 prompts x G = 4 (train.py)
 num_steps = 20                  # rollout steps, all trained (train.py)
+sp_sizes = (1, 2, 4)            # sequence parallel degrees measured (sp.py, train.py's sp_size), full FT on `gpus` GPUs
+sp_clips = ((81, 480, 848), (121, 720, 1280))  # frames x H x W of the sp runs: 480p, and 720p's 121 frames
 lora_rank = 64                  # config/lora_1gpu.py
 lora_sizes = ((81, 352, 624), (61, 352, 624), (41, 352, 624), (81, 288, 512))  # tried in order until one fits
 gpu_gb = 80.0                   # memory of one GPU (H100 80 GB; an H200 has 141)
@@ -294,18 +296,20 @@ def snap(tracker, kind='current'):
 
 
 def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16=True, n_store=None, L=None,
-            rollout_n=rollout_batch, proc=None):
+            rollout_n=rollout_batch, proc=None, sp=1):
     """Peak bytes per rank by category and FLOPs of one micro-step ('train') or one rollout forward
     ('rollout'). world > 0: FSDP2 over a fake process group of `world` ranks (fake=True only).
-    proc: the blocks' attention (attention.set_attention; default the `processor` setting)."""
+    proc: the blocks' attention (attention.set_attention; default the `processor` setting).
+    sp > 1: sequence parallel as train.py sets it (sp.enable over a (dp, 1, sp) mesh of the same
+    ranks; FSDP2 still over all of them): each rank runs the blocks on 1/sp of a clip's tokens."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch._subclasses.fake_tensor import FakeTensorMode
     t0 = time.time()
     torch.manual_seed(seed)
     L1, L2 = L or text_tokens
-    n_store = n_store if n_store is not None else clips // max(world, 1)
-    mesh = None
+    n_store = n_store if n_store is not None else clips * sp // max(world, 1)  # an sp group shares its clips
+    mesh = sp_mesh = None
     if world:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -313,6 +317,10 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
             dist.destroy_process_group()
         dist.init_process_group('fake', rank=0, world_size=world, store=FakeStore())
         mesh = init_device_mesh('cpu', (world,))  # before the fake mode: a mesh of real ranks
+        if sp > 1:
+            import sp as sp_mod
+            sp_mesh = sp_mod.mesh(sp, 'cpu')
+            L1 += -(L1 + L2 + IMAGE_TOKENS) % sp  # sp.pad_text: the text split evenly too
     proc = proc or processor
     model = build(cfg, lora, attn=proc)
     model.forward = partial(transformer, model)  # called as model(...): FSDP's root hooks gather its weights
@@ -320,6 +328,11 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
     P_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world:
         shard(model, cuda=bf16, mesh=mesh)  # cuda=bf16: the GPU's mixed-precision policy
+    if sp_mesh is not None:
+        sp_mod.enable(model, sp_mesh)
+        V = ((Fr - 1) // 4 + 1) * (H // 16) * (W // 16)
+        if V % sp:
+            raise ValueError(f'{V} video tokens do not split over sp {sp}')
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     if fake and world:
         # DTensor infers output shapes by running each op on global-shape fake tensors, in the fake
@@ -328,7 +341,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         import torch.distributed.tensor._sharding_prop as sharding_prop
         prop_mode = FakeTensorMode(allow_non_fake_inputs=True)
         sharding_prop.detect_fake_mode = lambda *a, **k: prop_mode
-    res = dict(what=what, frames=Fr, height=H, width=W, world=world, lora=lora, attention=proc, P=P, P_trainable=P_train,
+    res = dict(what=what, frames=Fr, height=H, width=W, world=world, sp=sp, lora=lora, attention=proc, P=P, P_trainable=P_train,
                tokens=((Fr - 1) // 4 + 1) * (H // 16) * (W // 16), text=L1 + L2 + IMAGE_TOKENS, phases={})
     with mode, attention(attn):
         model.to_empty(device='cpu')
@@ -430,7 +443,7 @@ def estimate():
         if reuse and os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
-        if only and key.split('_')[0] not in only.split(','):
+        if only and key.split('_')[0].rstrip('0123456789') not in only.split(','):  # sp2_... is part 'sp'
             return None
         r = measure(cfg, *args, **kw)
         with open(path, 'w') as f:
@@ -451,15 +464,28 @@ def estimate():
     reference = [] if sfx else [run(f'diffusers_{what}_{H}x{W}', what, num_frames, H, W, proc='diffusers')
                                 for H, W in sizes for what in ('train', 'rollout')]
     reference = [r for r in reference if r is not None]
+    seq = []  # sequence parallel: the same full fine-tune with a clip's tokens split over sp ranks
+    for Fr, H, W in sp_clips:
+        V = ((Fr - 1) // 4 + 1) * (H // 16) * (W // 16)
+        for n in sp_sizes:
+            for what in ('train', 'rollout'):
+                if V % n or cfg['num_attention_heads'] % n:  # sp.pad_text's check: no run, the reason instead
+                    seq.append(dict(what=what, frames=Fr, height=H, width=W, world=gpus, sp=n, tokens=V, skipped=
+                                    f'{V:,} video tokens do not split over {n} ranks'))
+                    continue
+                same = n == 1 and Fr == num_frames and (H, W) in sizes and not sfx  # measured above already
+                r = run(f'{what}_{H}x{W}' if same else f'sp{n}_{what}_{Fr}x{H}x{W}{sfx}', what, Fr, H, W, sp=n)
+                if r is not None:
+                    seq.append(r)
     blk = build(cfg, checkpointing=False).transformer_blocks[0]
     P_blk = sum(p.numel() for p in blk.parameters())
     P_txt = sum(p.numel() for n, p in blk.named_parameters() if 'context' in n or 'add_' in n)
-    for r in runs + reference:
+    for r in runs + reference + [r for r in seq if 'skipped' not in r]:
         r['categories'] = categories(r)
         r['formula'] = formula(r['P'], P_blk, P_txt, cfg['num_layers'], cfg['num_attention_heads'] *
                                cfg['attention_head_dim'], r['tokens'], r['text'])
     out = dict(config=config, extras=extras, eval_extras={'CLIP-L + PickScore (bf16)': 2 * metrics_params},
-               runs=runs, reference=reference, seconds=time.time() - t0, torch=torch.__version__)
+               runs=runs, reference=reference, sp=seq, seconds=time.time() - t0, torch=torch.__version__)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'fullsize.json'), 'w') as f:
         json.dump(out, f, indent=1, default=str)
@@ -518,8 +544,26 @@ def summary(out):
                   "same, diffusers' attention", 'peak in'], rows)
 
 
+def sp_summary(out):
+    """The README's sequence-parallel table: per clip size, the per-GPU peak of an iteration (the
+    larger of the training micro-step and the rollout forward, VAE and VideoAlign resident) at each sp."""
+    seq, extras = out.get('sp', []), sum(out['extras'].values())
+    if not seq:
+        return ''
+    clips_, sps = sorted({(r['frames'], r['height'], r['width']) for r in seq}), sorted({r['sp'] for r in seq})
+    rows = []
+    for Fr, H, W in clips_:
+        row = [f'{Fr}x{H}x{W}']
+        for n in sps:
+            rs = [r for r in seq if (r['frames'], r['height'], r['width'], r['sp']) == (Fr, H, W, n)]
+            row.append('splits unevenly' if any('skipped' in r for r in rs) else
+                       f'{max(r["categories"]["total"] for r in rs) / GiB + extras / GiB:.1f}' if len(rs) == 2 else '')
+        rows.append(row)
+    return table(['full FT, 8 GPUs: iteration peak GiB/GPU'] + [f'sp {n}' for n in sps], rows)
+
+
 def update_readme(out, path='README.md'):
-    C.put_block(path, 'bench.fullsize', [summary(out)])
+    C.put_block(path, 'bench.fullsize', [summary(out)] + ([sp_summary(out)] if out.get('sp') else []))
 
 
 def report(out):
@@ -603,6 +647,8 @@ def report(out):
                '(torch.nn.attention.varlen_attn) needs packed keys or `seqused_k`, which is inference-only in torch 2.13, '
                'and has no CPU kernel to test against diffusers. The key mask leaves O(B S) bytes, nothing to win on memory; '
                'what flash would add over cuDNN / memory-efficient is speed, for the GPU check to measure.', '']
+    if out.get('sp'):
+        md += sp_report(out, g)
     md += ['### Against bench/toy.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
     for r in [r for r in runs if r['world'] and r['what'] == 'train']:
         m, f = r['categories'], r['formula']
@@ -673,6 +719,36 @@ def report(out):
                f'VideoAlign resident: {"fits" if tot <= c["gpu_gb"] else "does not fit"} in {c["gpu_gb"]:.0f} GB '
                f'(the frozen base stays fp32, {g(r["categories"]["params (fp32 master)"])} GiB, as load_policy keeps it).']
     return '\n'.join(md)
+
+
+def sp_report(out, g):
+    """results/fullsize.md's sequence-parallel section."""
+    seq, extras, c = out['sp'], sum(out['extras'].values()), out['config']
+    md = ['### Sequence parallel: per-GPU peaks at sp 1 / 2 / 4 (full fine-tune, 8 GPUs)', '',
+          f'The same micro-step and rollout forward with `sp_size` n as train.py runs it (sp.enable: diffusers\' '
+          'context parallelism, Ulysses all-to-all over the fake process group, FSDP2 still over all 8 ranks): each '
+          f'rank runs the blocks on 1/n of a clip\'s video and text tokens, and holds its sp group\'s {c["clips"]} x n / 8 '
+          f'clips\' stored rollout (an sp group shares its clips). Rollout forwards batch {c["rollout_batch"]} clips x 2 CFG '
+          'branches. FLOPs are per rank (an sp group does a clip\'s work once, split n ways; Ulysses adds no FLOPs).', '']
+    rows = []
+    for r in seq:
+        clip = f'{r["frames"]}x{r["height"]}x{r["width"]}'
+        if 'skipped' in r:  # one row for the pair
+            rows += [[clip, r['sp'], 'train, rollout', '', '', '', '', r['skipped']]] * (r['what'] == 'train')
+            continue
+        fl = sum(v['flops'] for v in r['phases'].values())
+        rows.append([clip, r['sp'], r['what'], f'{r["tokens"] // r["sp"]:,}', g(r['categories']['total']),
+                     g(r['categories']['total'] + extras), f'{fl / 1e12:.0f}',
+                     f'peak in the {r["peak_phase"]}; stored rollout {g(r["categories"]["stored rollout (fp32)"])}'])
+    md += [table(['clip', 'sp', 'run', 'video tokens a rank', 'peak GiB/GPU', '+ VAE, VideoAlign', 'TFLOP a rank', ''],
+                 rows), '']
+    over = [r for r in seq if 'skipped' not in r and (r['categories']['total'] + extras) / GiB > c['gpu_gb']]
+    md += [f'Above {c["gpu_gb"]:.0f} GB (an H100): ' + (', '.join(f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]} '
+                                                               f'at sp {r["sp"]}' for r in over) or 'none') + '. '
+           'An sp degree must divide the 16 heads and the clip\'s video tokens (sp.pad_text pads the text, not the '
+           'video): 81 frames at 480x848 are 21 x 30 x 53 = 33,390 tokens, which split over 2 but not over 4, and '
+           "diffusers' uneven Ulysses split has no backward pass, so it cannot train.", '']
+    return md
 
 
 # ----------------------------------------------------------------------------- the GPU check

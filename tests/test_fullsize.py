@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from bench import fullsize as bf
@@ -96,3 +97,17 @@ def test_gpu_check_at_tiny_size_on_cpu():
         assert res[name]['seconds'] > 0 and res[name]['peak_gib'] > 0
     # CPU kernels are batch-invariant: a clip's log-prob does not depend on its batch
     assert res['ratio_distance'] == 0.0
+
+
+def test_sequence_parallel_splits_a_clips_work():
+    """The full-size bench's sp runs (sp.enable over a fake 8-rank group, as train.py sets it): at sp 2
+    a rank does half the FLOPs of a rollout forward (Ulysses adds none; the 41 text tokens pad to 42)
+    and holds fewer activation bytes, while its stored rollout doubles (an sp group shares its clips)."""
+    one, two = (bf.measure(SMALL, 'rollout', 9, 256, 384, world=8, sp=n, L=(30, 10)) for n in (1, 2))
+    f1, f2 = (r['phases']['rollout forward']['flops'] for r in (one, two))
+    assert abs(f2 / f1 - 0.5) < 0.02, f2 / f1
+    c1, c2 = bf.categories(one), bf.categories(two)
+    assert c2['activations'] < 0.75 * c1['activations'], (c1['activations'], c2['activations'])
+    assert abs(c2['stored rollout (fp32)'] / c1['stored rollout (fp32)'] - 2) < 0.01  # (+ one micro-batch's text)
+    with pytest.raises(ValueError, match='do not split'):  # 3 x 17 x 23 video tokens, odd
+        bf.measure(SMALL, 'rollout', 9, 272, 368, world=8, sp=2, L=(30, 10))
