@@ -26,6 +26,11 @@ tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,0
 121 frames at 720x1280, 111,600: up to 16),
 both checked with a clear error. The text tokens are padded with masked tokens to a multiple of sp.
 diffusers' Ulysses-anything mode (uneven splits) has no backward pass, so it cannot train.
+
+Cost per GPU at sp 1 / 2 / 4: results/fullsize.md's sequence-parallel section. diffusers' NATIVE backend (what
+the processor dispatches to by default) saves only q, k, v for Ulysses and recomputes the attention forward in its
+backward, one more attention forward per block; its `_native_cudnn` backend saves the logsumexp instead (a GPU
+and bf16: `policy.set_attention_backend('_native_cudnn')`; untested here).
 """
 import contextlib
 from unittest import mock

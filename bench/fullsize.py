@@ -476,7 +476,7 @@ def estimate():
                 same = n == 1 and Fr == num_frames and (H, W) in sizes and not sfx  # measured above already
                 r = run(f'{what}_{H}x{W}' if same else f'sp{n}_{what}_{Fr}x{H}x{W}{sfx}', what, Fr, H, W, sp=n)
                 if r is not None:
-                    seq.append(r)
+                    seq.append(dict(r, sp=n))  # (runs measured before sp was recorded are sp 1)
     blk = build(cfg, checkpointing=False).transformer_blocks[0]
     P_blk = sum(p.numel() for p in blk.parameters())
     P_txt = sum(p.numel() for n, p in blk.named_parameters() if 'context' in n or 'add_' in n)
@@ -489,8 +489,9 @@ def estimate():
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'fullsize.json'), 'w') as f:
         json.dump(out, f, indent=1, default=str)
+    md = report(out)  # before the file is opened: a failing report leaves the old one whole
     with open(os.path.join(out_dir, 'fullsize.md'), 'w') as f:
-        f.write(report(out) + '\n')
+        f.write(md + '\n')
     if not only:
         update_readme(out)
     print(f'wrote {out_dir}/fullsize.md and fullsize.json in {time.time() - t0:.0f}s')
@@ -563,7 +564,7 @@ def sp_summary(out):
 
 
 def update_readme(out, path='README.md'):
-    C.put_block(path, 'bench.fullsize', [summary(out)] + ([sp_summary(out)] if out.get('sp') else []))
+    C.put_block(path, 'bench.fullsize', [summary(out)] + (['', sp_summary(out)] if out.get('sp') else []))
 
 
 def report(out):
@@ -729,7 +730,8 @@ def sp_report(out, g):
           'context parallelism, Ulysses all-to-all over the fake process group, FSDP2 still over all 8 ranks): each '
           f'rank runs the blocks on 1/n of a clip\'s video and text tokens, and holds its sp group\'s {c["clips"]} x n / 8 '
           f'clips\' stored rollout (an sp group shares its clips). Rollout forwards batch {c["rollout_batch"]} clips x 2 CFG '
-          'branches. FLOPs are per rank (an sp group does a clip\'s work once, split n ways; Ulysses adds no FLOPs).', '']
+          'branches. FLOPs are per rank (an sp group does a clip\'s work once, split n ways), train: one micro-step '
+          '(anchor forward, policy forward, backward with its recompute).', '']
     rows = []
     for r in seq:
         clip = f'{r["frames"]}x{r["height"]}x{r["width"]}'
@@ -748,6 +750,19 @@ def sp_report(out, g):
            'An sp degree must divide the 16 heads and the clip\'s video tokens (sp.pad_text pads the text, not the '
            'video): 81 frames at 480x848 are 21 x 30 x 53 = 33,390 tokens, which split over 2 but not over 4, and '
            "diffusers' uneven Ulysses split has no backward pass, so it cannot train.", '']
+    tr = {(r['frames'], r['height'], r['width'], r['sp']): r for r in seq if r['what'] == 'train' and 'skipped' not in r}
+    pairs = [(a, b) for k, a in tr.items() for k2, b in tr.items() if k[:3] == k2[:3] and k[3] == 1 and k2[3] > 1]
+    if pairs:
+        ratio = lambda a, b, ph: b['phases'][ph]['flops'] * b['sp'] / a['phases'][ph]['flops']
+        md += ['What sequence parallel costs in FLOPs: a rollout or policy forward at sp n is 1/n of sp 1\'s per rank, '
+               'but the backward is ' + ', '.join(f'{ratio(a, b, "backward"):.2f}x ({b["frames"]}x{b["height"]}x{b["width"]}, '
+                                                  f'sp {b["sp"]})' for a, b in pairs) + ' of 1/n '
+               '(n x its FLOPs over sp 1\'s): diffusers\' NATIVE attention backend, which the masked-key processor '
+               'dispatches to, runs Ulysses through an autograd function that saves only q, k, v and recomputes the '
+               'attention forward in its backward (_native_attention_backward_op), one more attention forward per '
+               "block on top of the checkpointing recompute. diffusers' `_native_cudnn` backend saves the logsumexp "
+               'and does not recompute (bf16 on a GPU: `policy.set_attention_backend(\'_native_cudnn\')`); '
+               'untested here, for the GPU check to measure.', '']
     return md
 
 
