@@ -2,7 +2,7 @@
 Alignment per unit of compute: which savings keep the quality, on equal compute, with paired seeds.
 
     python -m bench.compute                      # every cell: 6 settings x 5 seeds, each to the default's compute
-                                                 # (not yet run; estimated ~6-7 CPU-hours: 30 runs of ~13 min)
+                                                 # (~5 CPU-hours: 30 runs of ~10.5 min on one core; all cached)
     python -m bench.compute --budget_min=100     # start no new run after 100 min; rerun to go on (cells are cached)
     python -m bench.compute --workers=2 --worker=1   # with --worker=0 beside it: 2 processes on 2 cores
     python -m bench.compute --run=False          # only the report, from the cached cells
