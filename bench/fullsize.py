@@ -216,6 +216,11 @@ def attention(kind):
 
 # ----------------------------------------------------------------------------- the micro-step
 
+def video_tokens(Fr, H, W):
+    """The transformer's video tokens for Fr frames at H x W (VAE 4x in time, 16x in space; patch 1)."""
+    return ((Fr - 1) // 4 + 1) * (H // 16) * (W // 16)
+
+
 def inputs(cfg, n, Fr, H, W, L1, L2, dev):
     """One rank's stored rollout of n clips (xs, means) and the text of one micro-batch."""
     C, f, h, w = cfg['out_channels'], (Fr - 1) // 4 + 1, H // 16, W // 16
@@ -319,6 +324,8 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         mesh = init_device_mesh('cpu', (world,))  # before the fake mode: a mesh of real ranks
         if sp > 1:
             import sp as sp_mod
+            if video_tokens(Fr, H, W) % sp:  # sp.pad_text's check, before anything is built
+                raise ValueError(f'{video_tokens(Fr, H, W)} video tokens do not split over sp {sp}')
             sp_mesh = sp_mod.mesh(sp, 'cpu')
             L1 += -(L1 + L2 + IMAGE_TOKENS) % sp  # sp.pad_text: the text split evenly too
     proc = proc or processor
@@ -330,9 +337,6 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         shard(model, cuda=bf16, mesh=mesh)  # cuda=bf16: the GPU's mixed-precision policy
     if sp_mesh is not None:
         sp_mod.enable(model, sp_mesh)
-        V = ((Fr - 1) // 4 + 1) * (H // 16) * (W // 16)
-        if V % sp:
-            raise ValueError(f'{V} video tokens do not split over sp {sp}')
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     if fake and world:
         # DTensor infers output shapes by running each op on global-shape fake tensors, in the fake
@@ -342,7 +346,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         prop_mode = FakeTensorMode(allow_non_fake_inputs=True)
         sharding_prop.detect_fake_mode = lambda *a, **k: prop_mode
     res = dict(what=what, frames=Fr, height=H, width=W, world=world, sp=sp, lora=lora, attention=proc, P=P, P_trainable=P_train,
-               tokens=((Fr - 1) // 4 + 1) * (H // 16) * (W // 16), text=L1 + L2 + IMAGE_TOKENS, phases={})
+               tokens=video_tokens(Fr, H, W), text=L1 + L2 + IMAGE_TOKENS, phases={})
     with mode, attention(attn):
         model.to_empty(device='cpu')
         if not fake:  # real weights: small random values written to every page
@@ -466,7 +470,7 @@ def estimate():
     reference = [r for r in reference if r is not None]
     seq = []  # sequence parallel: the same full fine-tune with a clip's tokens split over sp ranks
     for Fr, H, W in sp_clips:
-        V = ((Fr - 1) // 4 + 1) * (H // 16) * (W // 16)
+        V = video_tokens(Fr, H, W)
         for n in sp_sizes:
             for what in ('train', 'rollout'):
                 if V % n or cfg['num_attention_heads'] % n:  # sp.pad_text's check: no run, the reason instead
