@@ -20,7 +20,7 @@ import torch
 import checkpoint as checkpoint_lib
 import sde
 from configurator import configure, number, one_of, prompt_or_file
-from model import batch_text, encode_prompts, generators, is_toy, latent_shape, load_decoder, load_policy, noise, \
+from model import batch_text, encode_prompts, family, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4
 
 # ----------------------------------------------------------------------------- settings
@@ -35,9 +35,9 @@ shift = None                    # sigma-schedule shift (None: toy 3.0, HunyuanVi
 cfg = None                      # classifier-free guidance scale (None: toy 1.0 as trained, HunyuanVideo 6.0)
 sampler = 'ode'                 # 'ode' | 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.0                       # SDE noise scale (ignored by 'ode')
-num_frames = 81                 # HunyuanVideo only (the toy's clip size is fixed)
-height = 480
-width = 848
+num_frames = None               # clip size (None: the model's: HunyuanVideo 1.5 480p 81 x 480 x 848; the
+height = None                   # toy's is fixed)
+width = None
 fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24)
 seed = 0                        # the same seeds for every model: differences are the model's
 device = 'cpu'
@@ -52,12 +52,13 @@ pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickSc
 config = configure(globals(), rules=dict(  # configurator.RULES, and what differs here: ODE sampling, eta 0
     sampler=one_of(*sde.KINDS), eta=number(0), prompts=(prompt_or_file, 'a prompt, or a .txt/.csv file of prompts')))
 # -----------------------------------------------------------------------------
-# the world's own defaults for what was left at None: the toy's (config/toy.py) or HunyuanVideo 480p's
-toy_world = is_toy(model)
+# the model family's own defaults for what was left at None (toy.py's as config/toy.py trains it)
+fam = family(model)
+toy_world = fam.PIPELINE == 'ToyWorld'
 if toy_world:
-    import toy  # noqa: F401  plugs the toy's text encoder, decoder and latent shape into model.py
-defaults = dict(num_steps=10, shift=3.0, cfg=1.0, fps=8, num_prompts=16, samples=2) if toy_world else \
-    dict(num_steps=50, shift=5.0, cfg=6.0, fps=24, num_prompts=4, samples=1)  # all clips are one batch
+    import toy
+defaults = dict(num_steps=fam.DEFAULTS['sample_steps'], num_prompts=16 if toy_world else 4, samples=2 if toy_world else 1,
+                **{k: fam.DEFAULTS[k] for k in ('shift', 'cfg', 'fps', 'num_frames', 'height', 'width')})
 for k, v in defaults.items():
     if globals()[k] is None:
         globals()[k] = config[k] = v

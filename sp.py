@@ -2,7 +2,8 @@
 Sequence (context) parallel: one clip's tokens split over sp_size ranks, Ulysses over the attention
 heads, with diffusers' own context-parallel machinery (ContextParallelConfig, enable_parallelism, the
 NATIVE attention backend's all-to-all). diffusers 0.42 ships no `_cp_plan` for
-HunyuanVideo15Transformer3DModel: CP_PLAN below is this project's.
+HunyuanVideo15Transformer3DModel (hunyuan15.cp_plan is this project's); every family file hands its plan
+to enable().
 
     torchrun --nproc_per_node=8 train.py config/released.py     # sp_size 2: 4 groups of 2 GPUs
 
@@ -13,13 +14,13 @@ velocity (gathered at the end of the model); each runs the blocks on 1/sp of the
 the gather's backward hands each rank only its own tokens' gradient, so a group's ranks together
 contribute one clip's gradient once, and train.py's loss denominator stays per world rank.
 
-What the blocks' attention processor must do to compose (diffusers' dispatcher does the rest):
+What a family's attention processor must do to compose (diffusers' dispatcher does the rest):
 call `dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend=self._attention_backend,
 parallel_config=self._parallel_config)` with q, k, v (B, S_local, heads, d) the local [video, text]
 tokens and key_mask (B, S_local) bool: the dispatcher reshapes it to (B, 1, 1, S_local) and Ulysses
 all-gathers it in the same rank order as the keys. diffusers' own HunyuanVideo15AttnProcessor2_0 cannot:
 its dense (B, 1, S_local, S_local) mask has the local query length, which the all-to-all makes global
-(a shape error), so enable() sets attention.MaskedKeysAttention, which does (identical outputs on valid tokens).
+(a shape error), so hunyuan15.cp_plan() sets its MaskedKeysAttention, which does (identical outputs on valid tokens).
 
 Limits: heads % sp == 0 (16 heads: sp 1, 2, 4, 8, 16; the toy's 3 heads: sp 1 or 3) and the video
 tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,018: sp 2 only;
@@ -36,28 +37,7 @@ import contextlib
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
-from diffusers.models._modeling_parallel import (ContextParallelConfig, ContextParallelInput,
-                                                 ContextParallelOutput)
 from torch.distributed.device_mesh import init_device_mesh
-
-from attention import MaskedKeysAttention, set_attention
-
-# where diffusers' hooks split and gather (module name -> inputs or outputs): the rope tables, the
-# first block's two streams and every block's text mask are split on the token axis; the last
-# layer's output is gathered
-CP_PLAN = {
-    'rope': {0: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True),   # cos (V, d)
-             1: ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)},  # sin (V, d)
-    'transformer_blocks.0': {  # after the text streams are merged and reordered (valid tokens first)
-        'hidden_states': ContextParallelInput(split_dim=1, expected_dims=3),          # video (B, V, D)
-        'encoder_hidden_states': ContextParallelInput(split_dim=1, expected_dims=3),  # text (B, T, D)
-    },
-    'transformer_blocks.*': {  # the model hands every block the whole text mask
-        'attention_mask': ContextParallelInput(split_dim=1, expected_dims=2),         # text (B, T)
-    },
-    'proj_out': ContextParallelOutput(gather_dim=1, expected_dims=3),  # (B, V/sp, p) -> (B, V, p)
-}
 
 
 def mesh(sp_size, device):
@@ -72,51 +52,37 @@ def mesh(sp_size, device):
                             mesh_dim_names=('dp', 'ring', 'ulysses'))
 
 
-def enable(model, device_mesh):
-    """Split every forward of model over the mesh's ulysses ranks (call once, before or after FSDP)."""
+def enable(net, device_mesh, plan):
+    """Split every forward of transformer `net` over the mesh's ulysses ranks, at the places of `plan`
+    (its family's cp_plan(net)); call once, before or after FSDP."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig
     sp_size = device_mesh['ulysses'].size()
-    heads = model.config.num_attention_heads
+    heads = net.config.num_attention_heads
     if heads % sp_size:
         raise SystemExit(f'sp_size {sp_size} must divide the transformer\'s {heads} attention heads '
                          '(Ulysses gives each rank heads / sp_size of them)')
-    if not all(isinstance(b.attn.processor, MaskedKeysAttention) for b in model.transformer_blocks):
-        set_attention(model, 'masked_keys')  # diffusers' own processor cannot compose (module docstring)
     config = ContextParallelConfig(ulysses_degree=sp_size, mesh=device_mesh)
     # diffusers picks the device as rank % torch.accelerator.device_count(), which is 0 on a CPU
     cpu = torch.device(device_mesh.device_type).type == 'cpu'
     with mock.patch.object(torch.accelerator, 'device_count', lambda: 1) if cpu else contextlib.nullcontext():
-        model.enable_parallelism(config=config, cp_plan=CP_PLAN)
-    return model
+        net.enable_parallelism(config=config, cp_plan=plan)
+    return net
 
 
-def degree(model):
-    """sp_size of a model enable() was applied to, else 1."""
-    pc = getattr(model, '_parallel_config', None)
+def group_size(net):
+    """sp_size of a transformer enable() was applied to, else 1."""
+    pc = getattr(net, '_parallel_config', None)
     return pc.context_parallel_config.ulysses_degree if pc is not None and pc.context_parallel_config else 1
 
 
-def first(model):
-    """Whether this rank is the first of its sp group (always, without sequence parallel)."""
-    pc = getattr(model, '_parallel_config', None)
+def leads_group(net):
+    """Whether this rank is the first of its sp group (always, without sequence parallel): the rank
+    that counts the group's passes and scores its clips."""
+    pc = getattr(net, '_parallel_config', None)
     return pc is None or pc.context_parallel_config is None or pc.context_parallel_config._ulysses_local_rank == 0
 
 
-def pad_text(model, x, text, image_tokens):
-    """text (batch_text's four tensors) with the Qwen text padded by masked tokens, so that the
-    model's text tokens (Qwen + ByT5 + image) split evenly; checks that the video tokens do."""
-    n = degree(model)
-    if n == 1:
-        return text
-    video = x.shape[2:].numel() // (model.config.patch_size_t * model.config.patch_size ** 2)
-    if video % n:
-        raise SystemExit(f'sequence parallel: {video} video tokens (latents {tuple(x.shape[1:])}) do not '
-                         f'split over sp_size {n}; choose a frame count or size whose latent grid divides')
-    e1, m1, e2, m2 = text
-    extra = -(e1.shape[1] + e2.shape[1] + image_tokens) % n
-    return [F.pad(e1, (0, 0, 0, extra)), F.pad(m1, (0, extra)), e2, m2]  # padding: masked (0)
-
-
-def spread(fn, n, device_mesh):
+def divide_work(fn, n, device_mesh):
     """Work on n clips that every rank of an sp group holds, done once: sp rank j runs fn(indices)
     on clips j, j + sp, ... and every rank of the group gets the whole result back. fn(list) -> a dict
     of (len(list), ...) tensors; returns the dict of (n, ...) tensors in clip order (on the CPU when
@@ -130,8 +96,8 @@ def spread(fn, n, device_mesh):
     part = {k: v.cpu() for k, v in fn(mine).items()} if mine else None
     parts = [None] * size
     dist.all_gather_object(parts, part, group=group.get_group())  # every rank enters, with or without clips
-    first = next(p for p in parts if p is not None)
-    out = {k: v.new_empty((n,) + v.shape[1:]) for k, v in first.items()}
+    done = next(p for p in parts if p is not None)
+    out = {k: v.new_empty((n,) + v.shape[1:]) for k, v in done.items()}
     for j, p in enumerate(parts):
         for k, v in (p or {}).items():
             out[k][j::size] = v

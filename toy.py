@@ -42,7 +42,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import model  # one way: the toy world plugs into model.py's interface (model.world, set below)
+import hunyuan15  # the toy's transformer is a tiny HunyuanVideo 1.5 one: its loading and forward
+import model
 
 # ----------------------------------------------------------------------------- settings
 DIR = 'assets/toy'              # committed base model directory (transformer/, text table, prompts)
@@ -449,7 +450,40 @@ def summary(frames, prompts):
     return out
 
 
-model.world = sys.modules[__name__]  # model.encode_prompts, load_decoder, latent_shape of DIR use this module
+# ----------------------------------------------------------------------------- the model interface
+# (stated at the top of hunyuan15.py): assets/toy/model_index.json names this file ('ToyWorld'), so
+# --model=assets/toy runs the toy world through the same train.py and sample.py as the real models
+PIPELINE = 'ToyWorld'
+TRANSFORMER = hunyuan15.TRANSFORMER
+DEFAULTS = dict(sample_steps=10, shift=3.0, cfg=1.0, fps=FPS, negative_prompt='', num_frames=FRAMES, height=HEIGHT, width=WIDTH)
+LORA_TARGETS = hunyuan15.LORA_TARGETS
+blocks, forward, cp_plan = hunyuan15.blocks, hunyuan15.forward, hunyuan15.cp_plan
+
+
+def load_transformer(path, meta=False, **kw):
+    net = hunyuan15.load_transformer(path, meta=meta, **kw)
+    net.context_embedder_2.requires_grad_(False)  # sees only masked zeros: its gradient is exactly 0
+    return net
+
+
+def text_encoder(path, device):
+    from safetensors.torch import load_file
+    table = load_file(os.path.join(path, 'text_embeddings.safetensors'))['embeddings']
+
+    def encode(prompts):
+        try:
+            return encode_prompts(prompts, table)
+        except ValueError as e:  # a word the text table has no row for: one line, no traceback
+            raise SystemExit(str(e))
+    return encode
+
+
+def load_decoder(path, device):
+    return decode
+
+
+def latent_shape(path, num_frames, height, width):
+    return LATENT_SHAPE  # the toy's clip size is fixed
 
 
 if __name__ == '__main__':

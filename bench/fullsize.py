@@ -15,7 +15,7 @@ How the estimate measures: the transformer is built from its config (data:
 assets/hunyuanvideo15_480p_t2v_transformer.json, the diffusers class defaults) on the meta device,
 sharded with model.shard (the trainer's FSDP2 layout: every block, then the root; bf16 params, fp32
 reduce) over a fake process group of 8 ranks played by this one process, and materialised as fake
-tensors, its blocks' attention set by attention.set_attention as train.py's load path sets it
+tensors, its blocks' attention set by hunyuan15.set_attention as train.py's load path sets it
 (MaskedKeysAttention; --processor=diffusers for diffusers' own, whose runs are also measured
 for the comparison as diffusers_*). One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
 weights swapped in, the policy's forward with both CFG branches and grad, backward with per-block
@@ -74,8 +74,8 @@ from torch.utils.flop_counter import flop_registry
 from bench import common as C
 from bench.common import table
 from configurator import configure
-from attention import set_attention
-from model import IMAGE_TOKENS, _cat_text, shard
+from hunyuan15 import IMAGE_TOKENS, LORA_TARGETS, cp_plan, set_attention
+from model import _cat_text, shard
 from trust_region import Anchor
 
 # ----------------------------------------------------------------------------- settings
@@ -102,7 +102,7 @@ gpu_gb = 80.0                   # memory of one GPU (H100 80 GB; an H200 has 141
 tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for time on paper (~40% of H100 dense peak)
 videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
 metrics_params = 1.414e9        # CLIP-L (428M) + PickScore (CLIP-H, 986M): bf16, resident during evaluation only
-processor = 'masked_keys'       # the blocks' attention, train.py's `attention` (attention.set_attention); 'diffusers'
+processor = 'masked_keys'       # the blocks' attention, train.py's `attention` (hunyuan15.set_attention); 'diffusers'
 seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
@@ -124,7 +124,6 @@ def build(cfg, lora=0, checkpointing=True, bf16_base=True, attn=None):
         model = set_attention(T.from_config(cfg), attn or processor)
         if lora:
             from peft import LoraConfig
-            from model import LORA_TARGETS
             model.requires_grad_(False)
             if bf16_base:  # the frozen base in bf16, as load_policy keeps it for LoRA on one GPU (CUDA)
                 model.to(torch.bfloat16)
@@ -234,14 +233,14 @@ def inputs(cfg, n, Fr, H, W, L1, L2, dev):
 def train_step(model, anchor, opt, store, text, text_neg, bf16, phase):
     """step_losses + backward for one clip at one step, then clip + AdamW; phase(name) is called
     after each part (the caller records peaks and FLOPs there)."""
-    x, prev, mean_old = store['xs'][:1, 3], store['xs'][:1, 4], store['means'][:1, 3]  # (1, C, f, h, w)
+    x, x_next, mean_old = store['xs'][:1, 3], store['xs'][:1, 4], store['means'][:1, 3]  # (1, C, f, h, w)
     s = torch.full((1,), 0.9, device=x.device)
     dt, std, A, logp_old = -0.05, 0.1, 1.0, 0.0  # constants: fake tensors cannot branch on values
     with torch.no_grad(), anchor.applied(model):  # the anchor first, without grad (train.py's order)
         mean_anchor = x + dt * velocity(model, x, s, text, text_neg, bf16)
     phase('anchor forward')
     mean = x + dt * velocity(model, x, s, text, text_neg, bf16)         # (1, C, f, h, w) float32
-    logp = (-(prev - mean) ** 2 / (2 * std ** 2)).flatten(1).mean(1)
+    logp = (-(x_next - mean) ** 2 / (2 * std ** 2)).flatten(1).mean(1)
     ratio = torch.exp(logp - logp_old)
     policy = torch.maximum(-A * ratio, -A * ratio.clamp(1 - 1e-4, 1 + 1e-4))
     kl = ((mean - mean_anchor) ** 2 + 0.1 * (mean - mean_old) ** 2).flatten(1).mean(1) / (2 * std ** 2)
@@ -304,7 +303,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
             rollout_n=rollout_batch, proc=None, sp=1):
     """Peak bytes per rank by category and FLOPs of one micro-step ('train') or one rollout forward
     ('rollout'). world > 0: FSDP2 over a fake process group of `world` ranks (fake=True only).
-    proc: the blocks' attention (attention.set_attention; default the `processor` setting).
+    proc: the blocks' attention (hunyuan15.set_attention; default the `processor` setting).
     sp > 1: sequence parallel as train.py sets it (sp.enable over a (dp, 1, sp) mesh of the same
     ranks; FSDP2 still over all of them): each rank runs the blocks on 1/sp of a clip's tokens."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -324,19 +323,19 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         mesh = init_device_mesh('cpu', (world,))  # before the fake mode: a mesh of real ranks
         if sp > 1:
             import sp as sp_mod
-            if video_tokens(Fr, H, W) % sp:  # sp.pad_text's check, before anything is built
+            if video_tokens(Fr, H, W) % sp:  # hunyuan15.pad_for_sp's check, before anything is built
                 raise ValueError(f'{video_tokens(Fr, H, W)} video tokens do not split over sp {sp}')
             sp_mesh = sp_mod.mesh(sp, 'cpu')
-            L1 += -(L1 + L2 + IMAGE_TOKENS) % sp  # sp.pad_text: the text split evenly too
+            L1 += -(L1 + L2 + IMAGE_TOKENS) % sp  # hunyuan15.pad_for_sp: the text split evenly too
     proc = proc or processor
     model = build(cfg, lora, attn=proc)
     model.forward = partial(transformer, model)  # called as model(...): FSDP's root hooks gather its weights
     P = sum(p.numel() for p in model.parameters())
     P_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world:
-        shard(model, cuda=bf16, mesh=mesh)  # cuda=bf16: the GPU's mixed-precision policy
+        shard(model, model.transformer_blocks, cuda=bf16, mesh=mesh)  # cuda=bf16: the GPU's mixed precision
     if sp_mesh is not None:
-        sp_mod.enable(model, sp_mesh)
+        sp_mod.enable(model, sp_mesh, cp_plan(model))
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     if fake and world:
         # DTensor infers output shapes by running each op on global-shape fake tensors, in the fake
@@ -473,7 +472,7 @@ def estimate():
         V = video_tokens(Fr, H, W)
         for n in sp_sizes:
             for what in ('train', 'rollout'):
-                if V % n or cfg['num_attention_heads'] % n:  # sp.pad_text's check: no run, the reason instead
+                if V % n or cfg['num_attention_heads'] % n:  # hunyuan15.pad_for_sp's check: no run, the reason instead
                     seq.append(dict(what=what, frames=Fr, height=H, width=W, world=gpus, sp=n, tokens=V, skipped=
                                     f'{V:,} video tokens do not split over {n} ranks'))
                     continue
@@ -588,7 +587,7 @@ def report(out):
           'both CFG branches, backward with per-block checkpointing, clip + AdamW) or one rollout forward '
           f'({c["rollout_batch"]} clips x 2 CFG branches for FSDP, 1 clip for LoRA), on fake tensors, with FSDP2 applied by '
           'model.shard over a fake process group, bf16 compute; memory by FSDPMemTracker / MemTracker, FLOPs by '
-          "FlopCounterMode's formulas. The blocks' attention is train.py's: attention.MaskedKeysAttention "
+          "FlopCounterMode's formulas. The blocks' attention is train.py's: hunyuan15.MaskedKeysAttention "
           f'(`attention = \'{c.get("processor", "masked_keys")}\'`), padded text and image tokens masked as keys only, '
           'a (B, S) key mask that SDPA takes as a broadcast bias; it runs as on a GPU (the memory-efficient kernel, '
           'the mask as a padded bf16 bias; cuDNN allocates the same). What train.py keeps (issue 22, as train.py does '
@@ -624,7 +623,7 @@ def report(out):
     if ref:
         md += ["### Attention: diffusers' processor against masked keys (full fine-tune, 8 GPUs)", '',
                "diffusers 0.42's HunyuanVideo15AttnProcessor2_0 builds a (B, 1, S, S) boolean mask per block (key mask "
-               'AND query mask, S = video + text + image tokens) that SDPA turns into a bf16 bias; attention.MaskedKeysAttention '
+               'AND query mask, S = video + text + image tokens) that SDPA turns into a bf16 bias; hunyuan15.MaskedKeysAttention '
                'gives SDPA the (B, S) key mask alone (a padded query row is never read: the token is masked as a key in '
                'every later block and dropped at the end; tests/test_attention.py: every valid token and the velocity '
                "equal diffusers' to float32 rounding). Same runs, same accounting, only the processor differs.", '']
@@ -751,7 +750,7 @@ def sp_report(out, g):
     over = [r for r in seq if 'skipped' not in r and (r['categories']['total'] + extras) / GiB > c['gpu_gb']]
     md += [f'Above {c["gpu_gb"]:.0f} GB (an H100): ' + (', '.join(f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]} '
                                                                f'at sp {r["sp"]}' for r in over) or 'none') + '. '
-           'An sp degree must divide the 16 heads and the clip\'s video tokens (sp.pad_text pads the text, not the '
+           'An sp degree must divide the 16 heads and the clip\'s video tokens (hunyuan15.pad_for_sp pads the text, not the '
            'video): 81 frames at 480x848 are 21 x 30 x 53 = 33,390 tokens, which split over 2 but not over 4, and '
            "diffusers' uneven Ulysses split has no backward pass, so it cannot train.", '']
     tr = {(r['frames'], r['height'], r['width'], r['sp']): r for r in seq if r['what'] == 'train' and 'skipped' not in r}
@@ -774,11 +773,11 @@ def sp_report(out, g):
 
 TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
             num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=12,
-            rope_axes_dim=(2, 2, 4))  # SPEC 5's tiny transformer: builds in milliseconds
+            rope_axes_dim=(2, 2, 4))  # docs/method.md section 7's tiny transformer: builds in milliseconds
 
 
 def time_block(dev, reps=3):
-    """Both attention processors (attention.set_attention) on one transformer block at real size
+    """Both attention processors (hunyuan15.set_attention) on one transformer block at real size
     (81x480x848: 33,390 video + 1,257 text tokens, text padded as a CFG batch pads it): a rollout
     forward (rollout_batch clips x 2 branches, no grad) and a training forward + backward (1 clip x
     2 branches). Seconds per call, peak memory, and the SDPA kernel torch picks for the call."""
@@ -857,7 +856,7 @@ def check():
     model = build(cfg, lora=0 if ddp else lora_rank, bf16_base=cuda)
     model.forward = partial(transformer, model)
     if ddp:
-        shard(model, cuda=cuda)
+        shard(model, model.transformer_blocks, cuda=cuda)
     model.to_empty(device=dev)
     with torch.no_grad():
         for p in model.parameters():
@@ -889,7 +888,7 @@ def check():
         v = velocity(model, x, torch.full((rollout_batch,), s, device=dev), expand(text), expand(text_neg), cuda)
         st = sde.step(x, v, s, s_next, 'sage', 0.5, noise=torch.randn_like(x))
         one = [sde.step(x[i:i + 1], velocity(model, x[i:i + 1], torch.full((1,), s, device=dev), text, text_neg,
-                                              cuda), s, s_next, 'sage', 0.5, prev=st.prev[i:i + 1]).logp
+                                              cuda), s, s_next, 'sage', 0.5, x_next=st.x_next[i:i + 1]).logp
                for i in range(rollout_batch)]
     ratio = torch.exp(torch.cat(one) - st.logp)                         # (n,) exactly 1 if batch-invariant
     res['ratio_distance'] = (ratio - 1).abs().max().item()

@@ -13,13 +13,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import sp  # noqa: E402
-from model import load_transformer, velocity  # noqa: E402
+from model import family_of, load_transformer, velocity  # noqa: E402
 
 
 def main(path, inputs, out):
     dist.init_process_group('gloo')
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = sp.enable(load_transformer(path), sp.mesh(world, 'cpu'))
+    net = load_transformer(path)
+    model = sp.enable(net, sp.mesh(world, 'cpu'), family_of(net).cp_plan(net))
     model.enable_gradient_checkpointing()  # as train.py runs it: the split inside each recomputation
     seen = []  # the token count block 0's attention sees on this rank: video/world + text/world
     model.transformer_blocks[0].attn.register_forward_pre_hook(

@@ -1,4 +1,4 @@
-"""attention.MaskedKeysAttention against diffusers' own HunyuanVideo15AttnProcessor2_0, on the tiny
+"""hunyuan15.MaskedKeysAttention against diffusers' own HunyuanVideo15AttnProcessor2_0, on the tiny
 real pipeline (tests/tiny_hunyuan.py) with prompts encoded by its own encoders: every valid token
 of every block and the model's output agree to float32 rounding, in batches that mix prompt
 lengths (with and without ByT5 text), both CFG branches and t2v's masked image tokens; and no
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import attention
+import hunyuan15
 import model
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,7 +34,7 @@ def nets(root):
     """The tiny transformer loaded twice through model.py: masked keys (default) and diffusers'."""
     a, b = model.load_transformer(root).eval(), model.load_transformer(root, attention='diffusers').eval()
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-    assert all(isinstance(blk.attn.processor, attention.MaskedKeysAttention) for blk in a.transformer_blocks)
+    assert all(isinstance(blk.attn.processor, hunyuan15.MaskedKeysAttention) for blk in a.transformer_blocks)
     assert all(isinstance(blk.attn.processor, HunyuanVideo15AttnProcessor2_0) for blk in b.transformer_blocks)
     return a, b
 
@@ -82,7 +82,7 @@ def test_every_valid_token_and_the_velocity_equal_diffusers(root, cache):
     assert (v - res['ref_v']).abs().max() > 1e-3
 
 
-class Unmasked(attention.MaskedKeysAttention):
+class Unmasked(hunyuan15.MaskedKeysAttention):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         return super().__call__(attn, hidden_states, encoder_hidden_states, None, image_rotary_emb)
 
@@ -120,7 +120,7 @@ class Shapes(TorchDispatchMode):
 def test_nothing_of_size_s_by_s(root, cache):
     ours, ref = nets(root)
     x, s, text, neg = inputs(cache, PROMPTS, NEG + [''])
-    V, T = 3 * 2 * 3, text[1].shape[1] + text[3].shape[1] + model.IMAGE_TOKENS  # video and text tokens
+    V, T = 3 * 2 * 3, text[1].shape[1] + text[3].shape[1] + hunyuan15.IMAGE_TOKENS  # video and text tokens
     seen = {}
     for name, net in (('ours', ours), ('ref', ref)):
         with Shapes() as mode:

@@ -124,9 +124,9 @@ def test_every_range_one_line_before_anything(monkeypatch, tmp_path, script, cas
     from bench import common
     monkeypatch.chdir(ROOT)
     # the first thing each script does after its settings: preemption.Preemption (train.py, after the
-    # distributed setup), model.is_toy (sample.py), bench.common.setup (bench.toy)
+    # distributed setup), model.family (sample.py), bench.common.setup (bench.toy)
     monkeypatch.setattr(preemption, 'Preemption', stop)
-    monkeypatch.setattr(model, 'is_toy', stop)
+    monkeypatch.setattr(model, 'family', stop)
     monkeypatch.setattr(common, 'setup', stop)
     out = tmp_path / 'out'
     out.mkdir()

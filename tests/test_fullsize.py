@@ -41,7 +41,7 @@ def test_estimate_matches_a_real_cpu_run():
 def test_fixed_order_forward_is_diffusers_forward():
     # all text tokens valid: the reorder in diffusers' forward is then the identity on the tokens
     from diffusers import HunyuanVideo15Transformer3DModel as T
-    from attention import set_attention
+    from hunyuan15 import set_attention
     from model import velocity
     torch.manual_seed(0)
     model = T(**bf.TINY).eval()
@@ -59,9 +59,10 @@ def test_fixed_order_forward_is_diffusers_forward():
 def test_bench_attention_is_train_attention():
     # build() sets the blocks' attention as model.load_transformer does for train.py
     import attention
+    import hunyuan15
     net = bf.build(bf.TINY, checkpointing=False)
     assert bf.processor == attention.ATTENTIONS[0] == 'masked_keys'
-    assert all(type(b.attn.processor) is attention.MaskedKeysAttention for b in net.transformer_blocks)
+    assert all(type(b.attn.processor) is hunyuan15.MaskedKeysAttention for b in net.transformer_blocks)
 
 
 def test_gpu_attention_allocates_and_counts_what_the_kernel_does():

@@ -174,10 +174,17 @@ def test_latent_shape_is_the_vae_encode_shape(root, pipe, F, H, W):
     assert pipe.prepare_latents(1, pipe.num_channels_latents, H, W, F).shape[1:] == shape
 
 
-def test_is_toy(root, tmp_path):
-    assert not model.is_toy(root)  # a whole pipeline
-    os.makedirs(tmp_path / 'transformer')
-    assert model.is_toy(str(tmp_path))  # only a transformer: the toy world
+def test_family_is_read_from_model_index(root, tmp_path):
+    import hunyuan15
+    import toy
+    assert model.family(root) is hunyuan15 and model.family('assets/toy') is toy
+    assert model.family_of(model.load_transformer('assets/toy')) is hunyuan15  # the toy's transformer class
+    os.makedirs(tmp_path / 'transformer')  # no model_index.json: says how to get the weights
+    with pytest.raises(SystemExit, match='hf download hunyuanvideo-community'):
+        model.family(str(tmp_path))
+    (tmp_path / 'model_index.json').write_text('{"_class_name": "CogVideoXPipeline"}')
+    with pytest.raises(SystemExit, match='CogVideoXPipeline; supported: HunyuanVideo15Pipeline'):
+        model.family(str(tmp_path))
 
 
 @pytest.mark.parametrize('H,W', [(32, 48), (31, 33)])  # odd sides are padded to even ones

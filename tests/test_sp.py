@@ -67,6 +67,8 @@ def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path):
     torch.manual_seed(0)
     HunyuanVideo15Transformer3DModel(**{**toy.CONFIG, 'num_attention_heads': 2}).save_pretrained(
         tmp_path / 'toy2' / 'transformer')
+    for name in ('model_index.json', 'text_embeddings.safetensors'):  # the rest of the toy world
+        shutil.copy(os.path.join(ROOT, 'assets/toy', name), tmp_path / 'toy2' / name)
     args = ['train.py', 'config/toy.py', f'--model={tmp_path / "toy2"}', '--prompts_per_iter=2', '--group_size=2',
             '--num_steps=4', '--rollout_batch=4', '--train_batch=2', '--eval_every=0', '--eval_samples=1',
             '--eval_videos=1', '--save_every=1', '--max_iters=3', '--export_dtype=', f'--eval_prompts={evals}',

@@ -1,0 +1,217 @@
+"""
+HunyuanVideo 1.5 (diffusers' HunyuanVideo15Pipeline) behind the model interface of model.py.
+
+    torchrun --nproc_per_node=8 train.py --model=weights/HunyuanVideo-1.5-480p_t2v
+
+The interface, which every model family file provides (model.py picks the file from the
+`_class_name` of the model directory's model_index.json):
+    PIPELINE, TRANSFORMER       the diffusers pipeline and transformer class names
+    HUB_ID, DEFAULTS            where to download it; shift, cfg, fps, negative prompt, clip size
+    LORA_TARGETS                the modules LoRA adapts
+    load_transformer(path, meta, attention)   float32 transformer, its blocks' attention set
+    blocks(transformer)         the FSDP and gradient-checkpointing units
+    text_encoder(path, device)  encode(prompts) -> [embeds, mask, ...] pairs, batch first
+    forward(transformer, x, s, text)          the velocity (B, C, F, h, w) for latents x at sigmas s
+    load_decoder(path, device)  decode(latents) -> frames (B, F, 3, H, W) in [0, 1]
+    latent_shape(path, num_frames, height, width) -> (C, F, h, w)
+    cp_plan(transformer)        where sequence parallel splits and gathers (sp.enable)
+
+HunyuanVideo 1.5 specifics (docs/method.md section 7): two text encoders, Qwen2.5-VL (embeds, mask)
+and ByT5 for quoted text (embeds_2, mask_2); the transformer input is [latents, zeros, zero mask]
+channel-wise with an all-zero image token for text-to-video; the timestep is 1000 s; the VAE's
+latents are scaled by its scaling_factor.
+
+Where the blocks' attention differs from diffusers' (attention='masked_keys', the default):
+diffusers 0.42's HunyuanVideo15AttnProcessor2_0 builds a dense (B, 1, S, S) mask, key mask AND
+query mask, over all S = video + text tokens (~34,600 at 480p, 81 frames). Padding needs masking as
+keys only: a padded token's query row computes something no one reads (it is a masked key in every
+later block and dropped at the end). MaskedKeysAttention hands diffusers' dispatcher a (B, S) key
+mask; every valid token's output equals diffusers' to float rounding.
+Tested by: python -m pytest tests/test_model.py tests/test_attention.py
+"""
+import torch
+import torch.nn.functional as F
+
+import sp
+from attention import ATTENTIONS
+
+PIPELINE = 'HunyuanVideo15Pipeline'
+TRANSFORMER = 'HunyuanVideo15Transformer3DModel'
+HUB_ID = 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'
+DEFAULTS = dict(sample_steps=50, shift=5.0, cfg=6.0, fps=24, negative_prompt='', num_frames=81, height=480, width=848)
+LORA_TARGETS = ['to_q', 'to_k', 'to_v', 'to_out.0']  # attention projections of every block
+IMAGE_TOKENS = 1  # t2v image tokens are all-zero and masked out, so their count (729 in the
+                  # pipeline) does not change the output (tests/test_model.py checks it); 1 is cheapest
+
+
+def missing(path, what, err):
+    return SystemExit(
+        f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
+        f'Download the weights first, e.g.\n'
+        f'  hf download {HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'
+        f'and pass --model=weights/HunyuanVideo-1.5-480p_t2v (for the toy world: --model=assets/toy).')
+
+
+def load_transformer(path, meta=False, attention=ATTENTIONS[0]):
+    """The transformer in float32 (the trainer's master weights) on the CPU, or on the meta device
+    (shapes only); its blocks' attention set by set_attention."""
+    from diffusers import HunyuanVideo15Transformer3DModel as T
+    try:
+        if meta:
+            with torch.device('meta'):
+                net = T.from_config(T.load_config(path, subfolder='transformer'))
+        else:
+            net = T.from_pretrained(path, subfolder='transformer', torch_dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise missing(path, 'transformer', e) from e
+    return set_attention(net, attention)
+
+
+def blocks(net):
+    return net.transformer_blocks
+
+
+def text_encoder(path, device):
+    """encode(prompts) -> [embeds (B, L, D), mask (B, L), embeds_2 (B, L2, D2), mask_2 (B, L2)]: the
+    pipeline's own encode_prompt (Qwen2.5-VL, then ByT5 for quoted text), valid tokens first."""
+    from diffusers import HunyuanVideo15Pipeline
+    try:  # no transformer (diffusers 0.42 cannot skip the VAE: its __init__ reads vae.config)
+        pipe = HunyuanVideo15Pipeline.from_pretrained(path, transformer=None, torch_dtype=torch.bfloat16).to(device)
+    except (OSError, ValueError) as e:
+        raise missing(path, 'text encoders', e) from e
+
+    @torch.no_grad()
+    def encode(prompts):
+        parts = [pipe.encode_prompt(prompts[i:i + 8], device=device, batch_size=len(prompts[i:i + 8]))
+                 for i in range(0, len(prompts), 8)]
+        return [torch.cat(p) for p in zip(*parts)]
+    return encode
+
+
+def forward(net, x, s, text):
+    """The velocity of latents x (B, C, F, h, w) at sigmas s (B,) for text: batch_text's four tensors."""
+    e1, m1, e2, m2 = pad_for_sp(net, x, text)
+    hidden = torch.cat([x, torch.zeros_like(x), x.new_zeros(x.shape[0], 1, *x.shape[2:])], 1)  # t2v
+    image = x.new_zeros(x.shape[0], IMAGE_TOKENS, net.config.image_embed_dim)  # all zero: t2v
+    return net(hidden_states=hidden, timestep=1000 * s, encoder_hidden_states=e1, encoder_attention_mask=m1,
+               encoder_hidden_states_2=e2, encoder_attention_mask_2=m2, image_embeds=image, return_dict=False)[0]
+
+
+def pad_for_sp(net, x, text):
+    """text with the Qwen text padded by masked tokens, so that the model's text tokens (Qwen + ByT5
+    + image) split evenly over the sequence-parallel group; checks that the video tokens do."""
+    n = sp.group_size(net)
+    if n == 1:
+        return text
+    video = x.shape[2:].numel() // (net.config.patch_size_t * net.config.patch_size ** 2)
+    if video % n:
+        raise SystemExit(f'sequence parallel: {video} video tokens (latents {tuple(x.shape[1:])}) do not '
+                         f'split over sp_size {n}; choose a frame count or size whose latent grid divides')
+    e1, m1, e2, m2 = text
+    extra = -(e1.shape[1] + e2.shape[1] + IMAGE_TOKENS) % n
+    return [F.pad(e1, (0, 0, 0, extra)), F.pad(m1, (0, extra)), e2, m2]  # padding: masked (0)
+
+
+def load_decoder(path, device):
+    """decode(latents (B, C, F, h, w)) -> frames (B, F, 3, H, W) in [0, 1]."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+    try:
+        vae = AutoencoderKLHunyuanVideo15.from_pretrained(path, subfolder='vae', torch_dtype=torch.bfloat16)
+    except (OSError, ValueError) as e:
+        raise missing(path, 'VAE', e) from e
+    vae = vae.to(device).requires_grad_(False).eval()
+    vae.enable_tiling()  # 81 frames at 480p do not fit in one pass
+    vae.enable_slicing()  # one clip at a time: diffusers 0.42's VAE attention mask breaks for B > 1
+
+    @torch.no_grad()
+    def decode(latents):
+        video = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        return ((video.float().clamp(-1, 1) + 1) / 2).permute(0, 2, 1, 3, 4)  # (B,3,F,H,W)->(B,F,3,H,W)
+    return decode
+
+
+def latent_shape(path, num_frames, height, width):
+    """(C, F, h, w): 32 channels, 4x temporal and 16x spatial compression."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+    try:
+        c = AutoencoderKLHunyuanVideo15.load_config(path, subfolder='vae')
+    except (OSError, ValueError) as e:
+        raise missing(path, 'VAE config', e) from e
+    t, s = c['temporal_compression_ratio'], c['spatial_compression_ratio']
+    return (c['latent_channels'], (num_frames - 1) // t + 1, height // s, width // s)
+
+
+# ----------------------------------------------------------------------------- sequence parallel
+
+def cp_plan(net):
+    """Where diffusers' hooks split and gather (module name -> inputs or outputs): the rope tables, the
+    first block's two streams and every block's text mask are split on the token axis; the last
+    layer's output is gathered (diffusers 0.42 ships no _cp_plan for this class). Sets the blocks'
+    attention to MaskedKeysAttention: diffusers' own processor cannot compose (sp.py)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput as In, ContextParallelOutput as Out
+    if not all(isinstance(b.attn.processor, MaskedKeysAttention) for b in net.transformer_blocks):
+        set_attention(net, 'masked_keys')
+    return {
+        'rope': {0: In(split_dim=0, expected_dims=2, split_output=True),    # cos (V, d)
+                 1: In(split_dim=0, expected_dims=2, split_output=True)},   # sin (V, d)
+        'transformer_blocks.0': {  # after the text streams are merged and reordered (valid tokens first)
+            'hidden_states': In(split_dim=1, expected_dims=3),              # video (B, V, D)
+            'encoder_hidden_states': In(split_dim=1, expected_dims=3),      # text (B, T, D)
+        },
+        'transformer_blocks.*': {'attention_mask': In(split_dim=1, expected_dims=2)},  # text mask (B, T)
+        'proj_out': Out(gather_dim=1, expected_dims=3),                     # (B, V/sp, p) -> (B, V, p)
+    }
+
+
+# ----------------------------------------------------------------------------- attention
+
+class MaskedKeysAttention:
+    """diffusers 0.42's HunyuanVideo15AttnProcessor2_0 (joint attention of the video tokens and the
+    text + image tokens of a block) with the padding excluded as keys only: a (B, S) key mask, which
+    diffusers' NATIVE backend hands to SDPA as (B, 1, 1, S), a broadcast bias of O(S) memory, where
+    diffusers' (B, 1, S, S) mask becomes an (S, S) bf16 bias per sequence (~29 GB for 8 sequences at
+    480p). Composes with diffusers' context parallelism (sp.py): the dispatcher all-gathers the key
+    mask in the same rank order as the keys."""
+    _attention_backend = None  # diffusers' dispatcher settings (attention_backend, context parallel)
+    _parallel_config = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.embeddings import apply_rotary_emb
+        heads = lambda t: t.unflatten(2, (attn.heads, -1))  # (B, L, D) -> (B, L, heads, d)
+        q, k, v = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))  # video (B, V, heads, d)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if image_rotary_emb is not None:  # rope on the video tokens only
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        if encoder_hidden_states is not None:  # text + image tokens (B, T, D), valid ones first
+            eq, ek, ev = (heads(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            q, k, v = torch.cat([q, eq], 1), torch.cat([k, ek], 1), torch.cat([v, ev], 1)  # (B, S, heads, d)
+        mask = None
+        if attention_mask is not None:  # (B, T) of the text tokens -> (B, S) of all keys: video always valid
+            mask = F.pad(attention_mask.bool(), (q.shape[1] - attention_mask.shape[1], 0), value=True)
+        out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=self._attention_backend,
+                                    parallel_config=self._parallel_config)  # (B, S, heads, d)
+        out = out.flatten(2, 3).to(q.dtype)  # (B, S, D)
+        if encoder_hidden_states is None:  # as diffusers: no output projection without text
+            return out, None
+        T = encoder_hidden_states.shape[1]
+        return attn.to_out[1](attn.to_out[0](out[:, :-T])), attn.to_add_out(out[:, -T:])
+
+
+def set_attention(net, kind):
+    """The attention of every transformer block: 'masked_keys' (the default) or 'diffusers' (its own
+    HunyuanVideo15AttnProcessor2_0, with the (B, 1, S, S) mask). The token refiner's attention (over
+    the <= 1000 Qwen tokens alone) stays diffusers'."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+    if kind not in ATTENTIONS:
+        raise SystemExit(f'attention must be one of {ATTENTIONS}, got {kind!r}')
+    for block in net.transformer_blocks:
+        block.attn.set_processor(MaskedKeysAttention() if kind == 'masked_keys' else HunyuanVideo15AttnProcessor2_0())
+    return net
+
