@@ -314,6 +314,23 @@ def load(path, model, optimizers, anchor):
     return loop
 
 
+def resume(ckpts, model, optimizers, anchor, log=print):
+    """Collective: load the first of ckpts (candidates(), newest first) that loads into the built and
+    sharded model, optimizers and anchor; a damaged one is named and the next one tried (it overwrites
+    whatever the damaged one had loaded). Returns its loop state, or None for an empty ckpts."""
+    for i, ckpt in enumerate(ckpts):
+        try:
+            loop = load(ckpt, model, optimizers, anchor)
+        except Exception as e:  # a damaged shard
+            if i + 1 == len(ckpts):
+                raise SystemExit(f'cannot resume from {ckpt}: {type(e).__name__}: {str(e)[:300]}')
+            log(f'warning: checkpoint {ckpt} is damaged ({type(e).__name__}): falling back to {ckpts[i + 1]}')
+            continue
+        log(f'resumed from {ckpt} at iteration {loop["iter_num"]}' + (' (the newest intact checkpoint)' if i else ''))
+        return loop
+    return None
+
+
 def load_weights(path, model):
     """The trained weights of checkpoint `path` into a plain (unsharded) model, in one process."""
     weights = _trainable_weights(model)

@@ -67,6 +67,12 @@ class Preemption:
         """The weights moved: no stop before the next begin()."""
         self.save = None
 
+    def points(self, items):
+        """The items, with a boundary (point()) before each: for b in preemption.points(microbatches)."""
+        for item in items:
+            self.point()
+            yield item
+
     def point(self):
         """A boundary between forwards. Collective between begin() and stepped() (every rank passes
         the same boundaries: same batch counts), a no-op without communication outside."""

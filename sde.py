@@ -8,7 +8,7 @@ The samplers: one step of the rectified-flow reverse process, deterministic (ODE
 Both are written below as  mean = x + dt v - c * noise_hat,  with c = 0.5 Sigma / s for the SDEs
 and c = s' - sqrt(s'^2 - std^2) for CPS (expand CPS's mean to see it), so c = 0 is the Euler step.
 
-Sigma is the noise variance of one step (SPEC section 2):
+Sigma is the noise variance of one step (docs/method.md section 2):
     dance  eta^2 d            flow  eta^2 s/(1-s) d  (1-s at s=1 taken at s_1)
     sage   eta^2 int_{s'}^{s} u/(1-u) du  (exact, the singularity at u=1 clamped at 1-3e-3)
     cps    std^2 = (s' sin(eta pi/2))^2
@@ -72,12 +72,12 @@ def variance(kind, s, s_next, eta):
         var = eta**2 * s / one_minus * d
     elif kind == 'sage':
         # the paper's formula, with min() on both ends: the log part integrates 1/(1-u) over
-        # [s', s] ∩ [0, c] while -d still spans the whole step. For s' <= c this is SPEC's formula
-        # exactly (and the SPEC table); for a step reaching into [c, 1] the log part loses the
+        # [s', s] ∩ [0, c] while -d still spans the whole step. For s' <= c this is the paper's formula
+        # exactly (and docs/method.md's table); for a step reaching into [c, 1] the log part loses the
         # piece above c, and a step inside [c, 1] would get -eta^2 d < 0. The floor at 0 keeps it
         # continuous and makes such a step an ODE step: near u = 1 the noise rate eta^2 u/(1-u)
         # is infinite, any finite choice is arbitrary, and a zero-noise step still preserves the
-        # marginals (the ODE does), whereas capping the rate at c would change the SPEC table.
+        # marginals (the ODE does), whereas capping the rate at c would change that table.
         hi, lo = s.clamp(max=SAGE_CLAMP), s_next.clamp(max=SAGE_CLAMP)
         var = (eta**2 * (-d + torch.log1p((hi - lo) / (1 - hi)))).clamp(min=0)  # log((1-lo)/(1-hi))
     else:  # cps
@@ -113,27 +113,27 @@ def _correction(kind, s, s_next, var):
 
 
 class Step(NamedTuple):
-    prev: torch.Tensor  # (B, ...) the next latent x_{s'}: sampled, or the one given; x's dtype
+    x_next: torch.Tensor  # (B, ...) the next latent x_{s'}: sampled, or the one given; x's dtype
     mean: torch.Tensor  # (B, ...) float32 mean of the transition, differentiable in v
     std: torch.Tensor  # (B,) float32 noise std of the transition (0 for an ODE step)
-    logp: torch.Tensor | None  # (B,) float32 mean log-density of prev, None for an ODE step
+    logp: torch.Tensor | None  # (B,) float32 mean log-density of x_next, None for an ODE step
 
 
-def log_prob(prev, mean, std, weight=None):
-    """(B,) float32 log-density of prev (B, ...) under N(mean, std^2 I), std (B,) > 0: the full Gaussian
-    per element, then the mean over all non-batch elements, or with weight (broadcastable to prev,
+def log_prob(x_next, mean, std, weight=None):
+    """(B,) float32 log-density of x_next (B, ...) under N(mean, std^2 I), std (B,) > 0: the full Gaussian
+    per element, then the mean over all non-batch elements, or with weight (broadcastable to x_next,
     >= 0, detached: credit.py) the weighted mean sum(w logp) / sum(w). weight=None is bitwise the mean."""
-    sd = std.float().view(prev.shape[0], *[1] * (prev.dim() - 1))  # (B, 1, ...)
-    logp = -(prev.float() - mean) ** 2 / (2 * sd**2) - torch.log(sd) - LOG_SQRT_2PI  # (B, ...)
+    sd = std.float().view(x_next.shape[0], *[1] * (x_next.dim() - 1))  # (B, 1, ...)
+    logp = -(x_next.float() - mean) ** 2 / (2 * sd**2) - torch.log(sd) - LOG_SQRT_2PI  # (B, ...)
     if weight is None:
         return logp.flatten(1).mean(1)
     w = weight.detach().float().expand_as(logp)  # (B, ...) credit is data, not a function of the weights
     return (w * logp).flatten(1).sum(1) / w.flatten(1).sum(1)
 
 
-def step(x, v, s, s_next, kind='sage', eta=0.5, prev=None, generator=None, noise=None, weight=None):
-    """One step s -> s_next. prev=None: sample it (rollout) with z = noise, or drawn from generator.
-    prev given: score it (training). weight: per-element weight of the log-prob (see log_prob)."""
+def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noise=None, weight=None):
+    """One step s -> s_next. x_next=None: sample it (rollout) with z = noise, or drawn from generator.
+    x_next given: score it (training). weight: per-element weight of the log-prob (see log_prob)."""
     B, ndim = x.shape[0], x.dim()
     s64 = _as_tensor(s).double().to(x.device).expand(B)  # (B,) per-sample sigma
     s_next64 = _as_tensor(s_next).double().to(x.device).expand(B)  # (B,)
@@ -151,11 +151,11 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, prev=None, generator=None, noise
     if stochastic.any() and not stochastic.all():
         raise ValueError('a batch mixes deterministic (std 0) and stochastic steps')
     if not stochastic.any():  # ODE step: no noise drawn, no log-prob
-        return Step(mean.to(x.dtype) if prev is None else prev, mean, std, None)
-    if prev is None:  # the sample is data, not a function of the weights: no gradient through it
+        return Step(mean.to(x.dtype) if x_next is None else x_next, mean, std, None)
+    if x_next is None:  # the sample is data, not a function of the weights: no gradient through it
         # z ~ N(0, I) (B, ...): given, or drawn in float32 whatever x's dtype (one stream per seed)
         z = noise.float() if noise is not None else \
             torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-        prev = (mean.detach() + bcast(std) * z).to(x.dtype)
+        x_next = (mean.detach() + bcast(std) * z).to(x.dtype)
     # full Gaussian log-density per element, float32, averaged (or credit-weighted) over the elements
-    return Step(prev, mean, std, log_prob(prev, mean, std, weight))
+    return Step(x_next, mean, std, log_prob(x_next, mean, std, weight))

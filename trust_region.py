@@ -1,5 +1,5 @@
 """
-The trust region of SAGE-GRPO (SPEC section 4): the KL of two transition Gaussians, the anchor
+The trust region of SAGE-GRPO (docs/method.md section 4): the KL of two transition Gaussians, the anchor
 (a frozen copy of the policy's trainable weights) and the lambda_KL controller.
 
     KL(mean_a, mean_b) = mean over elements of (mean_a - mean_b)^2 / (2 std_t^2)
@@ -32,7 +32,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies of SPEC section 4
+STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies (docs/method.md section 4.5)
 ANCHOR_EVERY = 10  # moving anchor: copy policy -> anchor every N optimizer steps
 LAM_INIT = 1e-7  # lambda_KL at the first optimizer step (start of the warm-up)
 LAM_MIN = 1e-7  # lower clip of lambda_KL
@@ -132,7 +132,7 @@ class Anchor:
 
 
 class KLController:
-    """lambda_KL: linear warm-up, then a deadband rule on the windowed mean KL (SPEC section 4).
+    """lambda_KL: linear warm-up, then a deadband rule on the windowed mean KL (docs/method.md 4.6).
 
     .value is the lambda for the next optimizer step. update(kl) is called once after each
     optimizer step with the KL that step observed; after update number k (1-based) the value is

@@ -63,7 +63,7 @@ sections = '0,1,2,3,4,5'        # which sections to run
 ablations = 'a,b,c,d,e,f,g,h'   # which parts of section 3 to run (the tables show every part already cached)
 threads = 1                     # torch CPU threads, here and in every train.py started (2 threads on a
                                 # shared 2-core machine run ~10x slower: OpenMP spin-waits)
-eta = 0.5                       # the SPEC default exploration scale
+eta = 0.5                       # the paper's default exploration scale
 group = 4                       # G of the exploration measurement (section 1)
 bench_prompts = 16              # prompts of the section-1 rollouts (the toy's held-out prompts)
 search_iters = 6                # bisection steps of the matched-exploration eta search
@@ -91,7 +91,7 @@ torch.set_num_threads(threads)
 KINDS = ('sage', 'flow', 'dance', 'cps')
 TOY = {}  # the toy world's sampler settings, read from config/toy.py (num_steps, shift, cfg, ...)
 exec(open('config/toy.py').read(), {}, TOY)
-SPEC_STEPS, SPEC_SHIFT = 20, 5.0  # the paper's schedule
+PAPER_STEPS, PAPER_SHIFT = 20, 5.0  # the paper's schedule
 C.setup(out, threads, budget_min)
 T_START, MODEL_HASH, cell, cached, table = C.T_START, C.MODEL_HASH, C.cell, C.cached, C.table
 try:
@@ -195,7 +195,7 @@ def variance_regime(kind, s, s_next, eta, regime, s1):
 
 def std_tables():
     res = {}
-    for name, (n, k) in (('spec', (SPEC_STEPS, SPEC_SHIFT)), ('toy', (TOY['num_steps'], TOY['shift']))):
+    for name, (n, k) in (('spec', (PAPER_STEPS, PAPER_SHIFT)), ('toy', (TOY['num_steps'], TOY['shift']))):
         sig = sde.sigmas(n, k).double().tolist()
         res[name] = {regime: {kind: [math.sqrt(max(0.0, variance_regime(kind, sig[i], sig[i + 1], eta, regime, sig[1])))
                                      for i in range(n)] for kind in KINDS} for regime in ('subst', 'clamp', 'default')}
@@ -270,7 +270,7 @@ def section1():
 
     steps = [0, 1, 5, 10, 15, 19]
     md = ['## 1. Samplers without training',
-          f'Per-step std sqrt(Sigma) at eta {eta}, the SPEC schedule (20 steps, shift 5), steps {steps}. '
+          f'Per-step std sqrt(Sigma) at eta {eta}, the paper\'s schedule (20 steps, shift 5), steps {steps}. '
           'Treatments of the 1/(1-s) singularity at s = 1 (Fig. 9): **subst** = FlowGRPO\'s (1-s at s=1 '
           'replaced by 1-s_1; for sage the rate u/(1-u) becomes u/max(1-u, 1-s_1), integrated exactly), '
           '**clamp** = 1-s >= 3e-3 (flow: s/max(1-s, 3e-3)·d), **default** = each kind\'s own (flow = subst, '
@@ -351,9 +351,9 @@ def grad_norms(kind, n_steps, shift_):
         g = []
         for b in range(len(prompts)):
             one = lambda tx: [u[b:b + 1] for u in tx]
-            x, prev = rec['xs'][b:b + 1, t], rec['xs'][b:b + 1, t + 1]
+            x, x_next = rec['xs'][b:b + 1, t], rec['xs'][b:b + 1, t + 1]
             v = M.velocity(net, x, sig[t].expand(1), one(text), TOY['cfg'], one(neg))
-            logp = sde.step(x, v, sig[t].item(), sig[t + 1].item(), kind, eta, prev=prev).logp  # (1,)
+            logp = sde.step(x, v, sig[t].item(), sig[t + 1].item(), kind, eta, x_next=x_next).logp  # (1,)
             grads = [q for q in torch.autograd.grad(logp.sum(), params, allow_unused=True) if q is not None]
             g.append(torch.sqrt(sum(q.double().square().sum() for q in grads)).item())
         norms.append(sum(g) / len(g))
@@ -376,16 +376,16 @@ def section2():
     runs = {}
     for kind in KINDS:
         runs[kind] = cell(f's2_{kind}_toy_c{grad_clips}', lambda: grad_norms(kind, TOY['num_steps'], TOY['shift']))
-    runs['sage@spec'] = cell(f's2_sage_spec_c{grad_clips}', lambda: grad_norms('sage', SPEC_STEPS, SPEC_SHIFT))
+    runs['sage@spec'] = cell(f's2_sage_spec_c{grad_clips}', lambda: grad_norms('sage', PAPER_STEPS, PAPER_SHIFT))
     stats = {k: fit_stats(v) for k, v in runs.items()}
     R['2'] = dict(runs=runs, stats=stats)
     md = ['## 2. Fig. 4: measured gradient norm vs the proxy N_t',
           f'||d logp_t / d theta|| per step on the base model (autograd through model.velocity and '
-          f'sde.step(prev=...), mean over {grad_clips} clips of one SDE rollout each, eta {eta}); N_t from '
+          f'sde.step(x_next=...), mean over {grad_clips} clips of one SDE rollout each, eta {eta}); N_t from '
           'equalizer.proxy. slope = least-squares slope of log||g|| on log N_t; r = Pearson correlation '
           '(of logs, and raw); max/min = ratio of the largest to the smallest per-step norm over the trained '
           'steps, without and with the equalizer scale S_t. Schedules: the toy one '
-          f'({TOY["num_steps"]} steps, shift {TOY["shift"]}) and, for sage, the SPEC one (20, shift 5).', '']
+          f'({TOY["num_steps"]} steps, shift {TOY["shift"]}) and, for sage, the paper\'s (20, shift 5).', '']
     md += [table(['kind', 'log-log slope', 'r (log)', 'r (raw)', 'max/min without S_t', 'max/min with S_t'],
                  [[k, f'{s["slope"]:.3f}', f'{s["r_log"]:.3f}', f'{s["r"]:.3f}', f'{s["ratio"]:.1f}',
                    f'{s["ratio_eq"]:.2f}'] for k, s in stats.items()]), '']

@@ -2,7 +2,7 @@
 #   torchrun --nproc_per_node=8 train.py config/released.py
 # Sources: Tencent-Hunyuan/SAGE-GRPO scripts/post_train/train_grpo.sh (the launch flags: "sh"),
 # post_train.py (TrainingConfig defaults, _build_optimizer: "pt"), hyvideo/utils/grpo_utils.py
-# ("gu"), and HunyuanVideo-1.5 hyvideo/optim/muon.py; shared/SPEC.md section 8 has the reading.
+# ("gu"), and HunyuanVideo-1.5 hyvideo/optim/muon.py; docs/method.md sections 5-6 have the reading.
 # Not expressible here, so still different from the released run:
 # - a failed (NaN) reward: here the clip leaves its group and the loss; there it is scored 0 and
 #   stays in its group (gu).

@@ -1,11 +1,11 @@
 """
 Counting the work and the SDE window (issue 24). python -m pytest tests/test_compute.py
 - sde.window: w consecutive stochastic steps, every start equally likely, a function of its seed;
-  equalizer.scales over a subset against SPEC section 3's formulas written out here;
+  equalizer.scales over a subset against docs/method.md section 3's formulas written out here;
 - model.sample with a window: steps outside it are Euler steps with no log-probability;
 - train.py (subprocesses): a window covering every step is bitwise today's run (weights, metrics);
   with a window, only its steps are trained and step t's loss is scaled by S_t of that very step,
-  the median over the window (recorded at loss.grpo_loss, computed here from SPEC's formulas);
+  the median over the window (recorded at train.py's loss pieces, computed here from the formulas);
   the logged transformer passes equal a hand count from the settings, across a resume, and on 2
   ranks under torchrun (gloo), where both ranks train the same window; bench/compute.py's formula
   for the passes of a setting equals that count; its verdicts on fabricated curves with known answers.
@@ -26,7 +26,7 @@ ETA, SHIFT, N = 0.5, 3.0, 4  # the toy's sage, and SMALL's 4 steps
 
 
 def hand_S(sig, steps, eta=ETA):
-    """SPEC 3 for sage, in float64 from the formulas: N_t = |dt - Sigma (1 - s)/(2 s)| / sqrt(Sigma),
+    """docs/method.md section 3 for sage, in float64 from the formulas: N_t = |dt - Sigma (1 - s)/(2 s)| / sqrt(Sigma),
     S_t = median over `steps` (numpy's: the mean of the middle two) / N_t; also std_t = sqrt(Sigma)."""
     n, std = {}, {}
     for t in steps:
@@ -91,24 +91,36 @@ def test_sample_window_outside_is_ode_without_logp():
             assert torch.allclose(nxt, euler, rtol=0, atol=1e-6)
 
 
-# train.py with model.sample and loss.grpo_loss wrapped: per rank, each rollout's window, stds and
-# log-probs, and each loss call's std and S_t scale, written to $RECORD_<rank>.json at exit
+# train.py with model.sample, sde.step and the loss pieces wrapped: per rank, each rollout's window, stds
+# and log-probs, and each trained step's std (sde.step with grad) and the S_t scale applied to its
+# clipped term (per_clip / clipped: the KL term adds lambda_KL * KL, ~1e-7 of it here), written to
+# $RECORD_<rank>.json at exit
 RECORDER = '''
 import atexit, json, os, runpy, sys, torch
 sys.path.insert(0, os.getcwd())  # run as a file (torchrun takes no -c): the repository root
-import loss, model
+import loss, model, sde
 log = dict(rollouts=[], losses=[])
-sample, grpo_loss = model.sample, loss.grpo_loss
+sample, step, clipped, masked = model.sample, sde.step, loss.clipped_surrogate, loss.masked_sum
+seen = {}
 def sampled(*args, keep=False, window=None, **kw):
     x, rec = sample(*args, keep=keep, window=window, **kw)
     if keep:
         log['rollouts'].append(dict(window=list(window), stds=rec['stds'].tolist(), logps=rec['logps'].tolist()))
     return x, rec
-def recorded(*args, **kw):
-    scale = torch.as_tensor(kw['scale']).expand_as(args[6])  # (n,) S_t of each clip's step; std args[6] (n,)
-    log['losses'].append(dict(std=args[6].tolist(), scale=scale.tolist(), rollout=len(log['rollouts']) - 1))
-    return grpo_loss(*args, **kw)
-model.sample, loss.grpo_loss = sampled, recorded
+def stepped(*args, **kw):
+    out = step(*args, **kw)
+    if torch.is_grad_enabled() and kw.get('x_next') is not None:  # a trained step (the anchor's has no grad)
+        seen['std'] = out.std
+    return out
+def surrogate(*args):
+    seen['clipped'] = clipped(*args)
+    return seen['clipped']
+def summed(per_clip, valid):
+    keep = seen['clipped'] != 0  # a zero advantage carries no scale
+    log['losses'].append(dict(std=seen['std'][keep].tolist(), scale=(per_clip / seen['clipped'])[keep].tolist(),
+                              rollout=len(log['rollouts']) - 1))
+    return masked(per_clip, valid)
+model.sample, sde.step, loss.clipped_surrogate, loss.masked_sum = sampled, stepped, surrogate, summed
 atexit.register(lambda: json.dump(log, open(os.environ['RECORD'] + '_' + os.environ.get('RANK', '0') + '.json', 'w')))
 sys.argv = sys.argv[1:]
 runpy.run_path('train.py', run_name='__main__')
@@ -157,7 +169,7 @@ def test_full_window_is_bitwise_today(tmp_path):
 
 def check_window(rec, w, world=1):
     """Every rollout's window is w consecutive steps; ODE steps outside carry no log-prob; only window
-    steps are trained, each scaled by its own S_t over the window (SPEC 3, by hand); ranks agree."""
+    steps are trained, each scaled by its own S_t over the window (docs/method.md 3, by hand); ranks agree."""
     logs = [json.load(open(f'{rec}_{r}.json')) for r in range(world)]
     sig = sde.sigmas(N, SHIFT)
     windows = [ro['window'] for ro in logs[0]['rollouts']]

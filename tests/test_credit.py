@@ -102,19 +102,19 @@ def test_weighted_log_prob_matches_torch_distributions():
     x, v = torch.randn(3, 4, 5, 2, 3, generator=gen), torch.randn(3, 4, 5, 2, 3, generator=gen)
     w = torch.rand(3, 1, 5, 2, 3, generator=gen) * 2  # per token, shared by the channels
     st = sde.step(x, v, 0.8, 0.7, 'sage', 0.5, generator=gen)
-    got = sde.step(x, v, 0.8, 0.7, 'sage', 0.5, prev=st.prev, weight=w).logp
-    lp = torch.distributions.Normal(st.mean.double(), st.std.double().view(3, 1, 1, 1, 1)).log_prob(st.prev.double())
+    got = sde.step(x, v, 0.8, 0.7, 'sage', 0.5, x_next=st.x_next, weight=w).logp
+    lp = torch.distributions.Normal(st.mean.double(), st.std.double().view(3, 1, 1, 1, 1)).log_prob(st.x_next.double())
     wf = w.double().expand_as(lp)
     ref = (wf * lp).flatten(1).sum(1) / wf.flatten(1).sum(1)
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
     # weight None is bitwise today's mean; weight 1 is the same number up to float rounding
-    plain = sde.step(x, v, 0.8, 0.7, 'sage', 0.5, prev=st.prev).logp
+    plain = sde.step(x, v, 0.8, 0.7, 'sage', 0.5, x_next=st.x_next).logp
     sd = st.std.view(3, 1, 1, 1, 1)
-    today = (-(st.prev - st.mean) ** 2 / (2 * sd ** 2) - torch.log(sd) - sde.LOG_SQRT_2PI).flatten(1).mean(1)
+    today = (-(st.x_next - st.mean) ** 2 / (2 * sd ** 2) - torch.log(sd) - sde.LOG_SQRT_2PI).flatten(1).mean(1)
     assert torch.equal(plain, today) and torch.equal(st.logp, today)
-    assert torch.allclose(sde.step(x, v, 0.8, 0.7, 'sage', 0.5, prev=st.prev, weight=torch.ones(1)).logp, plain)
+    assert torch.allclose(sde.step(x, v, 0.8, 0.7, 'sage', 0.5, x_next=st.x_next, weight=torch.ones(1)).logp, plain)
     # the same weight on old and new log-prob: ratio exactly 1 at theta = theta_old
-    assert torch.equal(sde.log_prob(st.prev, st.mean, st.std, w), got)
+    assert torch.equal(sde.log_prob(st.x_next, st.mean, st.std, w), got)
 
 
 # ----------------------------------------------------------------------------- reward gradients

@@ -43,5 +43,6 @@ def test_hunyuan_path_tiny_parts_tvrl(tmp_path):
     run(['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}', f'--qwen_dir={qwen_dir}',
          '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
          '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
-         '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt', '--credit=tvrl', '--eval_metrics='])
+         '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt', '--credit=tvrl', '--eval_metrics=',
+         '--diag_every=1'])
     check_credit(out, 1)

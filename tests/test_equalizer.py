@@ -1,4 +1,4 @@
-"""The gradient equalizer against SPEC's figures and autograd. python -m pytest tests/test_equalizer.py"""
+"""The gradient equalizer against docs/method.md's figures and autograd. python -m pytest tests/test_equalizer.py"""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ STOCHASTIC = ('dance', 'flow', 'sage', 'cps')
 
 
 def test_spec_table():
-    # SPEC section 3, sage at eta 0.5, 20 steps, shift 5, steps 0, 1, 5, 10, 15, 19
+    # docs/method.md section 3.3, sage at eta 0.5, 20 steps, shift 5, steps 0, 1, 5, 10, 15, 19
     sig, idx = sde.sigmas(20, 5.0), [0, 1, 5, 10, 15, 19]
     n, S = equalizer.proxy('sage', sig, 0.5), equalizer.scales('sage', sig, 0.5)
     assert n.shape == S.shape == (20,) and S.dtype == torch.float32
@@ -35,11 +35,11 @@ def test_deterministic_steps_get_scale_one():
 
 @pytest.mark.parametrize('kind', STOCHASTIC)
 def test_sensitivity_is_dmean_dv(kind):
-    # lambda_t from SPEC's formulas vs the Jacobian of sde.step's mean (diagonal, the same everywhere)
+    # lambda_t from docs/method.md's formulas vs the Jacobian of sde.step's mean (diagonal, the same everywhere)
     sig = sde.sigmas(20, 5.0)
     for i in (0, 3, 10, 18):
         x, v = torch.randn(1, 5), torch.randn(1, 5, requires_grad=True)
-        mean = sde.step(x, v, sig[i], sig[i + 1], kind, 0.7, prev=x).mean
+        mean = sde.step(x, v, sig[i], sig[i + 1], kind, 0.7, x_next=x).mean
         (grad,) = torch.autograd.grad(mean.sum(), v)
         lam = equalizer.sensitivity(kind, sig[i].item(), sig[i + 1].item(), 0.7)
         assert isinstance(lam, float) and torch.allclose(grad, torch.full_like(grad, lam), rtol=1e-5)
@@ -78,7 +78,7 @@ def test_median_settings_match_numpy_and_torch_median(kind, steps):
     a, b = equalizer.scales(kind, sig, 0.5), equalizer.scales(kind, sig, 0.5, 'lower')
     if int(live.sum()) % 2:
         assert torch.equal(a, b)
-    elif kind == 'sage' and steps == 20:  # SPEC section 8: the released S_t is 0.917x the project's
+    elif kind == 'sage' and steps == 20:  # docs/method.md section 6: the released S_t is 0.917x the project's
         assert abs((b[live] / a[live]).mean().item() - 0.1528 / 0.1667) < 2e-3
     with pytest.raises(ValueError):
         equalizer.scales(kind, sig, 0.5, 'upper')

@@ -17,15 +17,15 @@ import torch
 from reward import combine, group_advantages
 from test_train import ROOT, metrics, run
 
-# train.py with its reward and loss wrapped to record, per rank, what the reward model returned
-# (prompt, scores) and what the loss received (advantages, valid mask); RECORD_NAN=k makes the k-th
+# train.py with its reward and loss pieces wrapped to record, per rank, what the reward model returned
+# (prompt, scores) and what the objective received (advantages, valid mask); RECORD_NAN=k makes the k-th
 # clip of every rollout reward call NaN (a video the reward model failed on)
 RECORDER = '''
 import atexit, json, os, runpy, sys
 sys.path.insert(0, os.getcwd())  # run as a file (torchrun takes no -c): the repository root
 import toy, loss
 log = dict(rewards=[], losses=[])
-score, grpo_loss = toy.reward, loss.grpo_loss
+score, clipped, masked = toy.reward, loss.clipped_surrogate, loss.masked_sum
 def scored(frames, prompts, fps=toy.FPS):
     sc = score(frames, prompts, fps)
     if 'RECORD_NAN' in os.environ and len(prompts) > 1:
@@ -33,10 +33,13 @@ def scored(frames, prompts, fps=toy.FPS):
             v[int(os.environ['RECORD_NAN'])] = float('nan')
     log['rewards'].append(dict(prompts=list(prompts), **{k: v.tolist() for k, v in sc.items()}))
     return sc
-def recorded(*args, **kw):
-    log['losses'].append(dict(adv=args[2].tolist(), valid=kw['valid'].tolist()))
-    return grpo_loss(*args, **kw)
-toy.reward, loss.grpo_loss = scored, recorded
+def recorded(ratio, adv, clip_range):  # train.py's step_loss: the advantages, then the valid mask
+    log['losses'].append(dict(adv=adv.tolist()))
+    return clipped(ratio, adv, clip_range)
+def summed(per_clip, valid):
+    log['losses'][-1]['valid'] = valid.tolist()
+    return masked(per_clip, valid)
+toy.reward, loss.clipped_surrogate, loss.masked_sum = scored, recorded, summed
 atexit.register(lambda: json.dump(log, open(os.environ['RECORD'] + '_' + os.environ.get('RANK', '0') + '.json', 'w')))
 sys.argv = sys.argv[1:]
 runpy.run_path('train.py', run_name='__main__')

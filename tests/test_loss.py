@@ -1,5 +1,7 @@
 """
-loss.grpo_loss against a plain-Python reference of SPEC section 4, written here number by number:
+loss.py's pieces (clipped_surrogate, masked_sum, denominator, with trust_region.gaussian_kl), composed as
+train.py's step_loss composes them (docs/method.md section 4), against a plain-Python reference written
+here number by number:
 - the sign: one SGD step on the loss raises logp where A > 0 and lowers it where A < 0;
 - the clip: the pessimistic max takes the unclipped term (gradient -A r) where it must and the
   clipped one (gradient 0) where it must, for both signs of A and a ratio on both sides of the band;
@@ -10,22 +12,30 @@ loss.grpo_loss against a plain-Python reference of SPEC section 4, written here 
   is the mean over valid clips x trained steps.
 """
 import math
+from types import SimpleNamespace
 
 import torch
 
-from loss import denominator, grpo_loss
+from loss import clipped_surrogate, denominator, masked_sum
+from trust_region import gaussian_kl
 
 EPS = 1e-4  # clip range
 
 
 def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=None, scale=1.0, lam=0.0,
          beta_pos=1.0, beta_vel=0.1, valid=None, denom=1.0):
+    """train.py's step_loss after its forwards: the loss of n clips at one trained step, and its terms."""
     n = logp.shape[0]
     mean = torch.zeros(n, 3) if mean is None else mean
     std = torch.ones(n) if std is None else std
     valid = torch.ones(n) if valid is None else valid
-    return grpo_loss(logp, logp_old, adv, mean, mean_anchor, mean_old, std, scale=scale, lam=lam, beta_pos=beta_pos,
-                     beta_vel=beta_vel, clip_range=EPS, valid=valid, denom=denom)
+    ratio = torch.exp(logp - logp_old)
+    policy = scale * clipped_surrogate(ratio, adv, EPS)
+    zero = torch.zeros_like(policy)
+    kl_pos = gaussian_kl(mean, mean_anchor, std) if mean_anchor is not None else zero
+    kl_vel = gaussian_kl(mean, mean_old, std) if mean_old is not None else zero
+    loss = masked_sum(policy + lam * (beta_pos * kl_pos + beta_vel * kl_vel), valid) / denom
+    return loss, SimpleNamespace(policy=policy, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio)
 
 
 def ref_policy(r, A, S):

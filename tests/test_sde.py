@@ -1,4 +1,4 @@
-"""Samplers against independent references: diffusers' scheduler, a quadrature, SPEC's table,
+"""Samplers against independent references: diffusers' scheduler, a quadrature, docs/method.md's table,
 torch.distributions, and the exact marginals of Gaussian data. python -m pytest tests/test_sde.py"""
 import math
 
@@ -37,9 +37,9 @@ def test_ode_is_the_euler_scheduler_step():
         v = torch.randn(x.shape, generator=g)
         ref = sch.step(v, t, x).prev_sample
         out = sde.step(x, v, s[i].item(), s[i + 1].item(), 'ode')
-        assert torch.equal(out.prev, ref) and out.logp is None
-        assert torch.equal(sde.step(x, v, s[i], s[i + 1], 'sage', eta=0.0).prev, ref)  # eta 0
-        assert torch.equal(sde.step(x, v, s[i].expand(2), s[i + 1].expand(2), 'cps', 0.0).prev, ref)
+        assert torch.equal(out.x_next, ref) and out.logp is None
+        assert torch.equal(sde.step(x, v, s[i], s[i + 1], 'sage', eta=0.0).x_next, ref)  # eta 0
+        assert torch.equal(sde.step(x, v, s[i].expand(2), s[i + 1].expand(2), 'cps', 0.0).x_next, ref)
         x = ref
 
 
@@ -80,8 +80,8 @@ def test_sage_clamp_on_fine_schedules():
     assert (var >= 0).all() and var.diff().abs().max() < 1e-4
 
 
-# SPEC section 2: per-step std at eta 0.5, 20 steps, shift 5, at steps 0, 1, 5, 10, 15, 19
-SPEC_STD = {
+# docs/method.md section 2.6: per-step std at eta 0.5, 20 steps, shift 5, at steps 0, 1, 5, 10, 15, 19
+REFERENCE_STD = {
     'sage': [0.5555, 0.4256, 0.2330, 0.1834, 0.1585, 0.0795],
     'flow': [0.5000, 0.5186, 0.2484, 0.1929, 0.1701, 0.1171],
     'dance': [0.0510, 0.0532, 0.0641, 0.0863, 0.1318, 0.2282],
@@ -94,7 +94,7 @@ def test_spec_std_table(kind):
     s = sde.sigmas(20, 5.0)
     std = [math.sqrt(sde.variance(kind, s[i].item(), s[i + 1].item(), 0.5)) for i in (0, 1, 5, 10, 15, 19)]
     # half a unit of the 4th decimal, +1e-6: flow step 5 is 0.248350 (6 d.p.), printed 0.2484
-    assert np.allclose(std, SPEC_STD[kind], rtol=0, atol=5e-5 + 1e-6), (kind, std)
+    assert np.allclose(std, REFERENCE_STD[kind], rtol=0, atol=5e-5 + 1e-6), (kind, std)
 
 
 def test_variance_input_types():
@@ -110,7 +110,7 @@ def test_variance_input_types():
 
 
 def spec_mean(kind, x, v, s, s_next, std):
-    # SPEC section 2 written out, independently of sde.step's single form
+    # docs/method.md section 2 written out, independently of sde.step's single form
     x0_hat, noise_hat = x - s * v, x + (1 - s) * v
     if kind == 'cps':
         return (1 - s_next) * x0_hat + (s_next**2 - std**2).sqrt() * noise_hat
@@ -129,15 +129,15 @@ def test_logp_is_the_gaussian_density(kind):
     std = sde.variance(kind, s, s_next, 0.5).sqrt()
     assert out.std.shape == (3,) and torch.allclose(out.std, std)
     assert torch.allclose(out.mean, spec_mean(kind, x, v, b(s), b(s_next), b(std)), atol=1e-6)
-    ref = torch.distributions.Normal(out.mean, b(out.std)).log_prob(out.prev).flatten(1).mean(1)
+    ref = torch.distributions.Normal(out.mean, b(out.std)).log_prob(out.x_next).flatten(1).mean(1)
     assert out.logp.dtype == torch.float32 and torch.allclose(out.logp, ref, atol=1e-5)
-    # training: score the stored sample under v; d logp / d v = lambda (prev - mean) / std^2 / numel
+    # training: score the stored sample under v; d logp / d v = lambda (x_next - mean) / std^2 / numel
     v = v.clone().requires_grad_()
-    again = sde.step(x, v, s, s_next, kind, 0.5, prev=out.prev)
+    again = sde.step(x, v, s, s_next, kind, 0.5, x_next=out.x_next)
     assert torch.allclose(again.logp, out.logp)
     again.logp.sum().backward()
     lam = equalizer.sensitivity(kind, s.double(), s_next.double(), 0.5).float()  # (B,)
-    grad = b(lam) * (out.prev - again.mean.detach()) / b(std) ** 2 / x[0].numel()
+    grad = b(lam) * (out.x_next - again.mean.detach()) / b(std) ** 2 / x[0].numel()
     assert torch.allclose(v.grad, grad, rtol=1e-4, atol=1e-7)
 
 
@@ -145,13 +145,13 @@ def test_dtypes_determinism_and_errors():
     s = sde.sigmas(20, 5.0)
     x = torch.randn(2, 4, 8).bfloat16()
     out = sde.step(x, x, s[3], s[4], 'sage', generator=torch.Generator().manual_seed(3))
-    assert out.prev.dtype == torch.bfloat16 and out.mean.dtype == torch.float32
+    assert out.x_next.dtype == torch.bfloat16 and out.mean.dtype == torch.float32
     assert out.logp.dtype == torch.float32 and out.std.dtype == torch.float32 and out.std.shape == (2,)
     again = sde.step(x, x, s[3], s[4], 'sage', generator=torch.Generator().manual_seed(3))
-    assert torch.equal(out.prev, again.prev)
+    assert torch.equal(out.x_next, again.x_next)
     z = torch.randn(2, 4, 8)  # a caller's own noise
     given = sde.step(x.float(), x.float(), s[3], s[4], 'sage', noise=z)
-    assert torch.allclose(given.prev, given.mean + given.std.view(2, 1, 1) * z)
+    assert torch.allclose(given.x_next, given.mean + given.std.view(2, 1, 1) * z)
     assert sde.step(x, x, s[19], s[20], 'cps').logp is None  # CPS's last step: std 0
     with pytest.raises(ValueError):  # one sample on the last cps step, one not
         sde.step(x, x, s[[18, 19]], s[[19, 20]], 'cps')
@@ -174,7 +174,7 @@ def exact_log_ratios(kind, num_steps, eta, shift=5.0):
     for i in range(num_steps):
         x = torch.ones(1, 1, dtype=torch.float64)
         assert abs(-(x + (1 - s[i]) * velocity(x, s[i])).item() / s[i] + 1 / V(s[i])) < 1e-12  # score
-        st = sde.step(x, velocity(x, s[i]), s[i], s[i + 1], kind, eta, prev=x)
+        st = sde.step(x, velocity(x, s[i]), s[i], s[i + 1], kind, eta, x_next=x)
         var = st.mean.item() ** 2 * var + st.std.item() ** 2
         out.append(math.log(var / V(s[i + 1])))
     return out
@@ -188,7 +188,7 @@ def test_marginals_1000_steps():
         x = torch.randn(1, n, generator=g, dtype=torch.float64)
         x = x / x.std()  # start from exactly unit sample variance: only the sampler's noise is left
         for i in range(1000):
-            x = sde.step(x, velocity(x, s[i]), s[i], s[i + 1], kind, eta, generator=g).prev
+            x = sde.step(x, velocity(x, s[i]), s[i], s[i + 1], kind, eta, generator=g).x_next
             if i % 50 == 49 or i == 999:  # 4.5 standard errors of a sample variance, sqrt(2/n)
                 mc = math.log(x.var().item() / V(s[i + 1]))
                 assert abs(mc - exact[kind][i]) < 4.5 * math.sqrt(2 / n)

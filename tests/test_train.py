@@ -142,7 +142,8 @@ def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
              '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}',
              '--device=cpu', '--num_frames=9', '--height=32', '--width=32', '--fps=8', '--num_steps=3',
              '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1', '--max_iters=1',
-             '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt', '--export_dtype=float32'], torchrun=True)
+             '--eval_every=0', f'--out_dir={out}', '--eval_prompts=prompts/eval.txt', '--export_dtype=float32',
+             '--diag_every=1'], torchrun=True)
     check_run(out, 1)
     evals = [r for r in metrics(out) if 'eval_composite' in r]  # iterations 0 and 1
     assert len(evals) == 2 and all(math.isfinite(e[f'eval_{k}']) for e in evals for k in ('clipscore', 'pickscore')), evals
@@ -341,8 +342,8 @@ def test_download_command_in_messages_exists():
     assert hf, 'no hf command next to ' + sys.executable
     p = subprocess.run([hf, 'download', '--help'], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and '--local-dir' in p.stdout
-    import model, reward
-    assert 'hf download' in model.missing_weights('x', 'y', OSError('z')).code
+    import hunyuan15, reward
+    assert 'hf download' in hunyuan15.missing('x', 'y', OSError('z')).code
     assert reward.GET_CKPT.startswith('hf download') and reward.GET_QWEN.startswith('hf download')
 
 
