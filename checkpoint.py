@@ -376,8 +376,8 @@ def resolve(path):
 
 
 def export(src, dest, dtype=torch.bfloat16):
-    """Checkpoint (or out_dir's newest) -> a diffusers transformer directory at dest:
-    HunyuanVideo15Transformer3DModel.from_pretrained(dest) loads it. LoRA runs: merged into the
+    """Checkpoint (or out_dir's newest) -> a diffusers transformer directory at dest: the model
+    family's transformer class loads it (from_pretrained(dest)). LoRA runs: merged into the
     base weights, and the adapter alone in dest/lora (diffusers' save_lora_adapter)."""
     from diffusers.utils import logging
     from model import load_policy

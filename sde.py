@@ -89,15 +89,8 @@ def window(steps, size, seed):
     """The steps that are stochastic, and trained, in a rollout with sde_window=size: `size` consecutive
     entries of `steps` (the schedule's stochastic steps) from a start drawn uniformly from seed (train.py:
     a function of (seed, iteration), shared by every clip and rank, so a resumed run draws the same);
-    all of `steps` if size is 0 or covers them.
-
-    Which schedule, and why: Flow-GRPO-Fast's random window, not MixGRPO's sliding one. MixGRPO moves
-    the window by w steps every k iterations (25 in its scripts) and then parks it at the last window
-    (or rolls back): where it is depends on k and the run's length, a second setting that a 40-iteration
-    toy run and the released 10,000 iterations cannot share, and late in a run only the last steps
-    learn. A uniform random start is stationary: every position is trained equally often at any run
-    length, with one setting, w. (Flow-GRPO-Fast draws the start from a configurable sub-range of the
-    steps, often the early half; here it is the whole range of the stochastic steps.)"""
+    all of `steps` if size is 0 or covers them. Flow-GRPO-Fast's random window, not MixGRPO's sliding
+    one: docs/method.md section 6.3 says why."""
     if not size or size >= len(steps):
         return list(steps)
     start = int(torch.randint(len(steps) - size + 1, (), generator=torch.Generator().manual_seed(seed % 2 ** 63)))
