@@ -9,19 +9,11 @@ Strategies: 'none' (no KL), 'fixed' (anchor = initial model), 'stepwise' (veloci
 'moving' (anchor refreshed every N optimizer steps, position term), 'dual' (both: the paper's).
 'none' and 'stepwise' need no anchor: Anchor() may be built for them but holds nothing.
 
-Where this differs from the paper and why:
-- the controller updates once per optimizer step (as the paper counts) on the all-rank mean KL;
-  train.py's kl_update='backward' gives the released cadence (update() after every backward, on the
-  rank's local KL: the 100-update warm-up then ends after ~2.5 optimizer steps of the released run).
-- the velocity (step-wise) term is the exact KL of the two transition Gaussians. The released code
-  uses the sample estimate 0.1 * mean(logp_old - logp_theta) at the rollout's x_next: its expectation
-  is the same KL, but its per-sample gradient at theta = theta_old is the score itself (noise of mean
-  0, not 0), so it adds a second, unscaled policy-gradient-like term of random sign. The exact KL is
-  kept (no switch): it is what the method's trust region means, it is 0 with a 0 gradient at
-  theta = theta_old, and at one optimizer step per rollout batch (the released schedule) the
-  estimate's expectation is 0 too.
-- the controller keeps the printed direction (high KL *relaxes* the penalty) by default; it is one
-  constant, DIRECTION, and -1 gives the stabilising controller.
+Where this differs from the paper and the released code (docs/method.md section 6): lambda_KL is
+updated once per optimizer step on the all-rank mean KL (train.py's kl_update='backward': the released
+cadence); the velocity term is the exact Gaussian KL, not the released sample estimate (why: section
+6.2); the controller keeps the printed direction (high KL *relaxes* the penalty), DIRECTION = -1
+gives the stabilising one.
 
 Tested by: python -m pytest tests/test_trust_region.py   (the FSDP2 part runs torchrun on CPU)
 """

@@ -3,16 +3,8 @@
 # Sources: Tencent-Hunyuan/SAGE-GRPO scripts/post_train/train_grpo.sh (the launch flags: "sh"),
 # post_train.py (TrainingConfig defaults, _build_optimizer: "pt"), hyvideo/utils/grpo_utils.py
 # ("gu"), and HunyuanVideo-1.5 hyvideo/optim/muon.py; docs/method.md sections 5-6 have the reading.
-# Not expressible here, so still different from the released run:
-# - a failed (NaN) reward: here the clip leaves its group and the loss; there it is scored 0 and
-#   stays in its group (gu).
-# - the anchor: here an fp32 copy of the trainable weights; there a separate bf16 reference model,
-#   offloaded to the CPU (sh --reference_mode_offload True).
-# - the step-wise KL: here the exact Gaussian KL of the two means; there 0.1 * mean(old - new logp)
-#   (gu; trust_region.py says why the exact one is kept). 0 either way at one step per batch.
-# - the transformer: pt's default version is 720p_t2v (sh does not override it), rollouts in 480p
-#   buckets (pt video_bucket_hw_base_size 480); here the 480p model at the paper's 352x624.
-# - Muon: >2-D kernels (the patch embedder) go to AdamW here, to Muon there (optimizer.py).
+# What these settings cannot express (the NaN-reward handling, the anchor's precision, the step-wise
+# KL estimate, the 720p transformer, Muon's >2-D kernels): docs/method.md section 6.
 optimizer = 'muon'              # pt use_muon=True -> muon.get_muon_optimizer (Muon 2-D, AdamW 0/1-D)
 learning_rate = 1e-5            # sh --learning_rate 1e-5; pt get_scheduler("constant")
 weight_decay = 0.01             # pt weight_decay (Muon and its AdamW part alike)
