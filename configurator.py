@@ -21,7 +21,8 @@ import os
 import sys
 import types
 
-from attention import ATTENTIONS
+import attention
+from attention import ATTENTIONS, BACKENDS
 from credit import GRANULARITIES
 from equalizer import MEDIANS
 from metrics import NAMES as METRICS
@@ -59,6 +60,9 @@ RULES = dict(
     median=one_of(*MEDIANS), credit=one_of('none', 'tvrl'), credit_granularity=one_of(*GRANULARITIES),
     kl_update=one_of('step', 'backward'), prompt_noise=one_of('fresh', 'fixed'),
     init_from=one_of('scratch', 'resume'), attention=one_of(*ATTENTIONS), reward_model=one_of('videoalign', 'toy'),
+    attention_backend=((lambda v: v in BACKENDS), "a diffusers attention backend: 'native', '_native_flash', "
+                       "'_native_cudnn', '_native_efficient', '_native_math', 'flex', 'flash', '_flash_3', 'sage', "
+                       "... (attention.BACKENDS)"),
     device=one_of('cuda', 'cpu'), export_dtype=one_of('bfloat16', 'float16', 'float32', ''),
     eval_metrics=list_of(*METRICS), kl_direction=one_of(1, -1),
     credit_window=((lambda v: len(v) == 3 and all(k >= 1 and k % 2 for k in v)), '3 odd sizes (t, h, w) >= 1'),
@@ -98,6 +102,10 @@ def check(settings, rules=RULES, defaults=None):
         if ok is not True:
             why = f' ({ok})' if isinstance(ok, str) else ''
             raise SystemExit(f'config error: {key} must be {allowed}, got {settings[key]!r}{why}')
+    if 'attention' in settings and 'attention_backend' in settings:  # a pair: a backend without masks
+        why = attention.check(settings['attention'], settings['attention_backend'])
+        if why:
+            raise SystemExit(f'config error: {why}')
 
 
 def _settings(g):

@@ -8,7 +8,7 @@ The interface, which every model family file provides (model.py picks the file f
     PIPELINE, TRANSFORMER       the diffusers pipeline and transformer class names
     HUB_ID, DEFAULTS            where to download it; shift, cfg, fps, negative prompt, clip size
     LORA_TARGETS                the modules LoRA adapts
-    load_transformer(path, meta, attention)   float32 transformer, its blocks' attention set
+    load_transformer(path, meta, attention, backend)   float32 transformer, its blocks' attention set
     blocks(transformer)         the FSDP and gradient-checkpointing units
     text_encoder(path, device)  encode(prompts) -> [embeds, mask, ...] pairs, batch first
     forward(transformer, x, s, text)          the velocity (B, C, F, h, w) for latents x at sigmas s
@@ -21,19 +21,24 @@ and ByT5 for quoted text (embeds_2, mask_2); the transformer input is [latents, 
 channel-wise with an all-zero image token for text-to-video; the timestep is 1000 s; the VAE's
 latents are scaled by its scaling_factor.
 
-Where the blocks' attention differs from diffusers' (attention='masked_keys', the default):
-diffusers 0.42's HunyuanVideo15AttnProcessor2_0 builds a dense (B, 1, S, S) mask, key mask AND
-query mask, over all S = video + text tokens (~34,600 at 480p, 81 frames). Padding needs masking as
-keys only: a padded token's query row computes something no one reads (it is a masked key in every
-later block and dropped at the end). MaskedKeysAttention hands diffusers' dispatcher a (B, S) key
-mask; every valid token's output equals diffusers' to float rounding.
+Where the blocks' attention differs from diffusers' (docs/method.md section 10.3): diffusers 0.42's
+HunyuanVideo15AttnProcessor2_0 builds a dense (B, 1, S, S) mask, key mask AND query mask, over all
+S = video + text tokens (~34,600 at 480p, 81 frames), and with any mask torch's SDPA never takes its
+flash kernel. In a t2v forward the masked tokens are the all-zero image token, the zero ByT5 token of
+a prompt without quoted text, and the padding of prompts shorter than the batch's longest (CFG's two
+branches always differ). ValidTokensAttention (attention='valid_tokens', the default) leaves them
+out of the attention altogether, with no mask (attention.attend: one call per run of equal valid
+lengths); MaskedKeysAttention ('masked_keys') masks them as keys only. A padded token's query row
+computes something no one reads (it is a masked key in every later block and dropped at the end), so
+every valid token's output equals diffusers' to float rounding either way.
 Tested by: python -m pytest tests/test_model.py tests/test_attention.py
 """
 import torch
 import torch.nn.functional as F
 
 import sp
-from attention import ATTENTIONS
+from attention import (ATTENTIONS, attend, backend as dispatcher_backend, check, gather_tokens, key_mask,
+                       scatter_tokens, ulysses_group, valid_lengths)
 
 PIPELINE = 'HunyuanVideo15Pipeline'
 TRANSFORMER = 'HunyuanVideo15Transformer3DModel'
@@ -52,7 +57,7 @@ def missing(path, what, err):
         f'and pass --model=weights/HunyuanVideo-1.5-480p_t2v (for the toy world: --model=assets/toy).')
 
 
-def load_transformer(path, meta=False, attention=ATTENTIONS[0]):
+def load_transformer(path, meta=False, attention=ATTENTIONS[0], backend='native'):
     """The transformer in float32 (the trainer's master weights) on the CPU, or on the meta device
     (shapes only); its blocks' attention set by set_attention."""
     from diffusers import HunyuanVideo15Transformer3DModel as T
@@ -64,7 +69,7 @@ def load_transformer(path, meta=False, attention=ATTENTIONS[0]):
             net = T.from_pretrained(path, subfolder='transformer', torch_dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise missing(path, 'transformer', e) from e
-    return set_attention(net, attention)
+    return set_attention(net, attention, backend)
 
 
 def blocks(net):
@@ -144,74 +149,138 @@ def latent_shape(path, num_frames, height, width):
 # ----------------------------------------------------------------------------- sequence parallel
 
 def cp_plan(net):
-    """Where diffusers' hooks split and gather (module name -> inputs or outputs): the rope tables, the
-    first block's two streams and every block's text mask are split on the token axis; the last
-    layer's output is gathered (diffusers 0.42 ships no _cp_plan for this class). Sets the blocks'
-    attention to MaskedKeysAttention: diffusers' own processor cannot compose (sp.py)."""
+    """Where diffusers' hooks split and gather (module name -> inputs or outputs): the rope tables and
+    the first block's two streams are split on the token axis; the last layer's output is gathered
+    (diffusers 0.42 ships no _cp_plan for this class). ValidTokensAttention reads the whole text mask
+    (the valid lengths) and does Ulysses itself; MaskedKeysAttention gets every block's text mask split
+    too, for diffusers' Ulysses, which all-gathers it with the keys. diffusers' own processor cannot
+    compose (sp.py): it is replaced by MaskedKeysAttention, its backend kept."""
     from diffusers.models._modeling_parallel import ContextParallelInput as In, ContextParallelOutput as Out
-    if not all(isinstance(b.attn.processor, MaskedKeysAttention) for b in net.transformer_blocks):
-        set_attention(net, 'masked_keys')
-    return {
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    proc = net.transformer_blocks[0].attn.processor
+    if not isinstance(proc, (ValidTokensAttention, MaskedKeysAttention)):
+        set_attention(net, 'masked_keys', proc._attention_backend.value if proc._attention_backend else 'native')
+    plan = {
         'rope': {0: In(split_dim=0, expected_dims=2, split_output=True),    # cos (V, d)
                  1: In(split_dim=0, expected_dims=2, split_output=True)},   # sin (V, d)
         'transformer_blocks.0': {  # after the text streams are merged and reordered (valid tokens first)
             'hidden_states': In(split_dim=1, expected_dims=3),              # video (B, V, D)
             'encoder_hidden_states': In(split_dim=1, expected_dims=3),      # text (B, T, D)
         },
-        'transformer_blocks.*': {'attention_mask': In(split_dim=1, expected_dims=2)},  # text mask (B, T)
         'proj_out': Out(gather_dim=1, expected_dims=3),                     # (B, V/sp, p) -> (B, V, p)
     }
+    proc = net.transformer_blocks[0].attn.processor
+    if isinstance(proc, MaskedKeysAttention):
+        backend = proc._attention_backend or AttentionBackendName.NATIVE
+        if not _AttentionBackendRegistry._is_context_parallel_available(backend):
+            raise SystemExit(f"sequence parallel with attention='masked_keys' runs diffusers' Ulysses, which "
+                             f"attention_backend {backend.value!r} lacks: use "
+                             "attention='valid_tokens' (the default, any backend) or one of "
+                             f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}")
+        plan['transformer_blocks.*'] = {'attention_mask': In(split_dim=1, expected_dims=2)}  # text mask (B, T)
+    return plan
 
 
 # ----------------------------------------------------------------------------- attention
 
+def joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb):
+    """q, k, v (B, V + T, heads, d) of a block's joint attention, as diffusers 0.42's
+    HunyuanVideo15AttnProcessor2_0 forms them: video tokens (B, V, D) with their qk-norm, then rope;
+    text + image tokens (B, T, D) with their own qk-norm (norm_added_q, norm_added_k), no rope."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    heads = lambda t: t.unflatten(2, (attn.heads, -1))  # (B, L, D) -> (B, L, heads, d)
+    q, k, v = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))  # video (B, V, heads, d)
+    q, k = attn.norm_q(q), attn.norm_k(k)  # the qk-norm before rope
+    if image_rotary_emb is not None:  # rope on the video tokens only
+        q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+        k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+    if encoder_hidden_states is not None:  # text + image tokens (B, T, D), valid ones first
+        eq, ek, ev = (heads(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        if attn.norm_added_q is not None:
+            eq = attn.norm_added_q(eq)
+        if attn.norm_added_k is not None:
+            ek = attn.norm_added_k(ek)
+        q, k, v = torch.cat([q, eq], 1), torch.cat([k, ek], 1), torch.cat([v, ev], 1)  # (B, S, heads, d)
+    return q, k, v
+
+
+def joint_out(attn, out, encoder_hidden_states, dtype):
+    """The block's two outputs from the attention's (B, S, heads, d): video (B, V, D), text (B, T, D)."""
+    out = out.flatten(2, 3).to(dtype)  # (B, S, D)
+    if encoder_hidden_states is None:  # as diffusers: no output projection without text
+        return out, None
+    T = encoder_hidden_states.shape[1]
+    return attn.to_out[1](attn.to_out[0](out[:, :-T])), attn.to_add_out(out[:, -T:])
+
+
+class ValidTokensAttention:
+    """diffusers 0.42's HunyuanVideo15AttnProcessor2_0 over each sample's valid tokens alone, with no
+    mask: the video tokens and the first n_b text tokens of sample b (diffusers' forward orders each
+    sample's text valid first: image, ByT5, Qwen, then the padding), n_b from the (B, T) text mask once
+    per forward (attention.valid_lengths). Under sequence parallel (sp.py) it does Ulysses itself: the
+    all-to-all gathers every rank's video, then every rank's text, so the valid tokens are a prefix
+    again and the padding that splits the text evenly is dropped like any padding."""
+    backend = None  # the dispatcher backend (attention.BACKENDS). Not `_attention_backend`: diffusers'
+                    # enable_parallelism would refuse a backend without its own Ulysses, unused here
+    _parallel_config = None  # set by diffusers' enable_parallelism (sp.enable): the Ulysses group
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        q, k, v = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)  # (B, S_r, heads, d)
+        B, S, V = q.shape[0], q.shape[1], hidden_states.shape[1]  # this rank's tokens, its video tokens
+        group = ulysses_group(self._parallel_config)
+        if group is not None:  # one all-to-all for q, k, v: (3B, S_r, heads, d) -> (3B, S, heads/sp, d)
+            n = torch.distributed.get_world_size(group)
+            q, k, v = gather_tokens(torch.cat([q, k, v]), V, group).chunk(3)
+            S, V = S * n, V * n
+        # valid tokens of each sample: every video token and its first n_b text tokens
+        text = valid_lengths(attention_mask) if attention_mask is not None else [S - V] * B
+        out = attend(q, k, v, [V + t for t in text], self.backend)  # (B, S, heads, d), 0 past a length
+        if group is not None:
+            out = scatter_tokens(out, V // n, group)  # (B, S_r, heads, d)
+        return joint_out(attn, out, encoder_hidden_states, q.dtype)
+
+
 class MaskedKeysAttention:
-    """diffusers 0.42's HunyuanVideo15AttnProcessor2_0 (joint attention of the video tokens and the
-    text + image tokens of a block) with the padding excluded as keys only: a (B, S) key mask, which
-    diffusers' NATIVE backend hands to SDPA as (B, 1, 1, S), a broadcast bias of O(S) memory, where
-    diffusers' (B, 1, S, S) mask becomes an (S, S) bf16 bias per sequence (~29 GB for 8 sequences at
-    480p). Composes with diffusers' context parallelism (sp.py): the dispatcher all-gathers the key
-    mask in the same rank order as the keys."""
+    """diffusers 0.42's HunyuanVideo15AttnProcessor2_0 with the padding excluded as keys only: a key
+    mask in the form the backend reads right (attention.key_mask; (B, 1, 1, S) but for xformers), a
+    broadcast bias of O(S) memory, where diffusers' (B, 1, S, S) mask becomes an (S, S) bf16 bias per
+    sequence (~29 GB for 8 sequences at 480p). Composes with diffusers' context parallelism (sp.py):
+    its Ulysses all-gathers the key mask in the same rank order as the keys."""
     _attention_backend = None  # diffusers' dispatcher settings (attention_backend, context parallel)
     _parallel_config = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.embeddings import apply_rotary_emb
-        heads = lambda t: t.unflatten(2, (attn.heads, -1))  # (B, L, D) -> (B, L, heads, d)
-        q, k, v = (heads(f(hidden_states)) for f in (attn.to_q, attn.to_k, attn.to_v))  # video (B, V, heads, d)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        if image_rotary_emb is not None:  # rope on the video tokens only
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        if encoder_hidden_states is not None:  # text + image tokens (B, T, D), valid ones first
-            eq, ek, ev = (heads(f(encoder_hidden_states)) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-            if attn.norm_added_q is not None:
-                eq = attn.norm_added_q(eq)
-            if attn.norm_added_k is not None:
-                ek = attn.norm_added_k(ek)
-            q, k, v = torch.cat([q, eq], 1), torch.cat([k, ek], 1), torch.cat([v, ev], 1)  # (B, S, heads, d)
+        q, k, v = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)  # (B, S, heads, d)
         mask = None
         if attention_mask is not None:  # (B, T) of the text tokens -> (B, S) of all keys: video always valid
             mask = F.pad(attention_mask.bool(), (q.shape[1] - attention_mask.shape[1], 0), value=True)
+            mask = key_mask(mask, self._attention_backend)
         out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=self._attention_backend,
                                     parallel_config=self._parallel_config)  # (B, S, heads, d)
-        out = out.flatten(2, 3).to(q.dtype)  # (B, S, D)
-        if encoder_hidden_states is None:  # as diffusers: no output projection without text
-            return out, None
-        T = encoder_hidden_states.shape[1]
-        return attn.to_out[1](attn.to_out[0](out[:, :-T])), attn.to_add_out(out[:, -T:])
+        return joint_out(attn, out, encoder_hidden_states, q.dtype)
 
 
-def set_attention(net, kind):
-    """The attention of every transformer block: 'masked_keys' (the default) or 'diffusers' (its own
-    HunyuanVideo15AttnProcessor2_0, with the (B, 1, S, S) mask). The token refiner's attention (over
-    the <= 1000 Qwen tokens alone) stays diffusers'."""
+def set_attention(net, kind, backend='native'):
+    """The attention of every transformer block (attention.py): 'valid_tokens' (the default),
+    'masked_keys', or 'diffusers' (its own HunyuanVideo15AttnProcessor2_0, with the (B, 1, S, S) mask),
+    computed by the dispatcher backend `backend`. The token refiner's attention (over the <= 1000
+    Qwen tokens alone) stays diffusers'."""
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
     if kind not in ATTENTIONS:
         raise SystemExit(f'attention must be one of {ATTENTIONS}, got {kind!r}')
+    why = check(kind, backend)
+    if why:
+        raise SystemExit(why)
+    backend = dispatcher_backend(backend)  # diffusers' AttentionBackendName
     for block in net.transformer_blocks:
-        block.attn.set_processor(MaskedKeysAttention() if kind == 'masked_keys' else HunyuanVideo15AttnProcessor2_0())
+        if kind == 'valid_tokens':
+            proc = ValidTokensAttention()
+            proc.backend = backend
+        else:
+            proc = MaskedKeysAttention() if kind == 'masked_keys' else HunyuanVideo15AttnProcessor2_0()
+            proc._attention_backend = backend
+        block.attn.set_processor(proc)
     return net
-

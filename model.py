@@ -59,14 +59,17 @@ def family_of(net):
     raise TypeError(f'no model family runs a {type(net).__name__}')
 
 
-def load_transformer(path, device='cpu', meta=False, attention=None):
-    """The transformer in float32 (the trainer's master weights); on the meta device if meta."""
+def load_transformer(path, device='cpu', meta=False, attention=None, backend=None):
+    """The transformer in float32 (the trainer's master weights); on the meta device if meta; its
+    blocks' attention (attention.py) and dispatcher backend as given, else the family's defaults."""
     fam = family(path)
-    net = fam.load_transformer(path, meta=meta, **({} if attention is None else dict(attention=attention)))
+    kw = {k: v for k, v in dict(attention=attention, backend=backend).items() if v is not None}
+    net = fam.load_transformer(path, meta=meta, **kw)
     return net if meta else net.to(device)
 
 
-def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base_dtype=None, attention=None):
+def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base_dtype=None, attention=None,
+                backend=None):
     """The trainable transformer: LoRA adapters if lora_rank > 0, FSDP2-sharded per block and at
     the root when fsdp. Under FSDP only rank 0 reads the base model from disk; the other ranks build
     on the meta device and receive their shards by broadcast, so no process ever holds more than
@@ -75,7 +78,7 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
     17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32."""
     master = not fsdp or dist.get_rank() == 0
     fam = family(path)
-    net = load_transformer(path, meta=not master, attention=attention)
+    net = load_transformer(path, meta=not master, attention=attention, backend=backend)
     if lora_rank > 0:  # freeze the base, train only the adapters (diffusers' peft integration)
         from peft import LoraConfig
         net.requires_grad_(False)

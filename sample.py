@@ -41,7 +41,8 @@ width = None
 fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24)
 seed = 0                        # the same seeds for every model: differences are the model's
 device = 'cpu'
-attention = 'masked_keys'       # blocks' attention: padding masked as keys only (attention.py); 'diffusers': its (S, S) mask
+attention = 'valid_tokens'      # blocks' attention: padding left out, no mask (attention.py); 'masked_keys', 'diffusers'
+attention_backend = 'native'    # diffusers' attention backend: 'native' (torch SDPA), '_native_flash', 'flash', ...
 out_dir = 'samples'
 metrics_table = True            # print base vs aligned scores: the toy's reward, or VideoAlign's
 videoalign_dir = 'weights/VideoReward'        # (real model) VideoAlign, as in train.py
@@ -85,7 +86,7 @@ sigmas = sde.sigmas(num_steps, shift)
 rows = []
 for name, ckpt in models:
     lora_rank = checkpoint_lib.read_loop(ckpt)['config'].get('lora_rank', 0) if ckpt else 0
-    policy = load_policy(model, device, lora_rank=lora_rank, attention=attention)
+    policy = load_policy(model, device, lora_rank=lora_rank, attention=attention, backend=attention_backend)
     if ckpt:  # the trained weights of a sharded (DCP) checkpoint, read into one plain model
         checkpoint_lib.load_weights(ckpt, policy)
     policy.eval()

@@ -1,9 +1,9 @@
 """
 Sequence (context) parallel: one clip's tokens split over sp_size ranks, Ulysses over the attention
-heads, with diffusers' own context-parallel machinery (ContextParallelConfig, enable_parallelism, the
-NATIVE attention backend's all-to-all). diffusers 0.42 ships no `_cp_plan` for
-HunyuanVideo15Transformer3DModel (hunyuan15.cp_plan is this project's); every family file hands its plan
-to enable().
+heads, with diffusers' own context-parallel machinery (ContextParallelConfig, enable_parallelism and
+its split and gather hooks; the all-to-all in the attention processor, see below). diffusers 0.42
+ships no `_cp_plan` for HunyuanVideo15Transformer3DModel (hunyuan15.cp_plan is this project's);
+every family file hands its plan to enable().
 
     torchrun --nproc_per_node=8 train.py config/released.py     # sp_size 2: 4 groups of 2 GPUs
 
@@ -14,13 +14,20 @@ velocity (gathered at the end of the model); each runs the blocks on 1/sp of the
 the gather's backward hands each rank only its own tokens' gradient, so a group's ranks together
 contribute one clip's gradient once, and train.py's loss denominator stays per world rank.
 
-What a family's attention processor must do to compose (diffusers' dispatcher does the rest):
-call `dispatch_attention_fn(q, k, v, attn_mask=key_mask, backend=self._attention_backend,
-parallel_config=self._parallel_config)` with q, k, v (B, S_local, heads, d) the local [video, text]
-tokens and key_mask (B, S_local) bool: the dispatcher reshapes it to (B, 1, 1, S_local) and Ulysses
-all-gathers it in the same rank order as the keys. diffusers' own HunyuanVideo15AttnProcessor2_0 cannot:
-its dense (B, 1, S_local, S_local) mask has the local query length, which the all-to-all makes global
-(a shape error), so hunyuan15.cp_plan() sets its MaskedKeysAttention, which does (identical outputs on valid tokens).
+What a family's attention processor must do to compose, one of:
+- Ulysses itself (hunyuan15.ValidTokensAttention, the default): diffusers' enable_parallelism sets its
+  `_parallel_config`; attention.gather_tokens and attention.scatter_tokens do the all-to-alls over
+  attention.ulysses_group(parallel_config), differentiably, around any dispatcher backend, so the
+  backward is the backend's own and the padding is dropped, not masked.
+- diffusers' Ulysses (hunyuan15.MaskedKeysAttention): call `dispatch_attention_fn(q, k, v,
+  attn_mask=key_mask, backend=self._attention_backend, parallel_config=self._parallel_config)` with
+  q, k, v (B, S_local, heads, d) the local [video, text] tokens and key_mask (B, 1, 1, S_local)
+  bool: Ulysses all-gathers it in the same rank order as the keys. Only backends with diffusers'
+  context parallelism (native, _native_cudnn, _native_flash, flash, ...; no mask for the flash ones)
+  run it, and NATIVE saves only q, k, v and recomputes the attention forward in its backward.
+diffusers' own HunyuanVideo15AttnProcessor2_0 cannot: its dense (B, 1, S_local, S_local) mask has
+the local query length, which the all-to-all makes global (a shape error), so hunyuan15.cp_plan()
+sets MaskedKeysAttention in its place (identical outputs on valid tokens).
 
 Limits: heads % sp == 0 (16 heads: sp 1, 2, 4, 8, 16; the toy's 3 heads: sp 1 or 3) and the video
 tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,018: sp 2 only;
@@ -28,10 +35,9 @@ tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,0
 both checked with a clear error. The text tokens are padded with masked tokens to a multiple of sp.
 diffusers' Ulysses-anything mode (uneven splits) has no backward pass, so it cannot train.
 
-Cost per GPU at sp 1 / 2 / 4: results/fullsize.md's sequence-parallel section. diffusers' NATIVE backend (what
-the processor dispatches to by default) saves only q, k, v for Ulysses and recomputes the attention forward in its
-backward, one more attention forward per block; its `_native_cudnn` backend saves the logsumexp instead (a GPU
-and bf16: `policy.set_attention_backend('_native_cudnn')`; untested here).
+Cost per GPU at sp 1 / 2 / 4: results/fullsize.md's sequence-parallel section (measured with
+MaskedKeysAttention on diffusers' NATIVE Ulysses, whose backward recomputes the attention forward).
+Tested by: python -m pytest tests/test_sp.py (sp 2, sp 4 and dp 2 x sp 2 against one process)
 """
 import contextlib
 from unittest import mock

@@ -120,7 +120,8 @@ weight_decay = 0.01
 grad_clip = 1.0
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
 gradient_checkpointing = True   # recompute block activations in backward
-attention = 'masked_keys'       # the blocks' attention (attention.py)
+attention = 'valid_tokens'      # the blocks' attention: padding left out, no mask (attention.py)
+attention_backend = 'native'    # diffusers' attention backend: 'native' (torch SDPA), '_native_flash', 'flash', ...
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks sharing one clip's tokens (sp.py); data parallel the rest
 dist_timeout = 60               # minutes a collective waits (rank 0 alone builds the prompt cache
@@ -164,7 +165,7 @@ quiet = print if master else lambda m: None
 ckpts = checkpoint.candidates(out_dir, log=quiet) if init_from == 'resume' else []
 fam = family(model)  # the model family's file (hunyuan15.py, toy.py, ...): model.py's interface
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
-                     attention=attention)
+                     attention=attention, backend=attention_backend)
 if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards over all ranks)
     sp.enable(policy, sp_mesh, fam.cp_plan(policy))
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]

@@ -1,5 +1,7 @@
-"""Sequence parallel (sp.py): one clip's tokens split over 2 gloo ranks give the velocity and the
-gradient of 1 process. python -m pytest tests/test_sp.py (launches tests/sp_worker.py under torchrun)"""
+"""Sequence parallel (sp.py): a clip's tokens split over gloo ranks give the velocity, the gradient and
+the pass counts of 1 process running diffusers' own attention processor, at sp 4 and at dp 2 x sp 2
+(tests/sp_layout_worker.py, one torchrun launch of 4 ranks); train.py at sp 2 equals 1 process and
+resumes across sp. python -m pytest tests/test_sp.py"""
 import os
 import subprocess
 import sys
@@ -22,38 +24,54 @@ def text_batch(lengths, g):
     return [e1 * m1[..., None], m1, e2 * m2[..., None], m2]
 
 
-def test_sp2_velocity_and_gradient_equal_one_process(tmp_path):
-    path = make_tiny_hunyuan(tmp_path / 'tiny')
+def test_sp4_and_dp2_sp2_equal_one_process(tmp_path):
+    # one launch of 4 ranks, two layouts: sp 4 (one group) and dp 2 x sp 2 (rank // sp is the dp rank,
+    # not rank % dp), against one process with diffusers' own attention processor (dense mask, no
+    # padding). A 4-head tiny transformer (Ulysses splits heads); 48 video tokens
+    from tiny_hunyuan import TINY
+    path = make_tiny_hunyuan(tmp_path / 'tiny4', dict(TINY, transformer=dict(TINY['transformer'], num_attention_heads=4)))
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 4, 3, 4, 4, generator=g)  # (B, C, F, H, W): 48 video tokens, 24 per rank
-    inputs = dict(x=x, s=torch.tensor([0.9, 0.4]), cfg=6.0,
+    x = torch.randn(2, 4, 3, 4, 4, generator=g)  # (B, C, F, H, W): 48 video tokens
+    inputs = dict(x=x, s=torch.tensor([0.9, 0.4]), cfg=6.0, layouts=[4, 2],
                   text=text_batch([(5, 0), (2, 3)], g),       # mixed prompt lengths, one with ByT5 text:
-                  text_neg=text_batch([(3, 0), (3, 0)], g),   # 5 + 3 + 1 image tokens: odd, so sp pads
-                  w=torch.randn(x.shape, generator=g))
+                  text_neg=text_batch([(3, 0), (3, 0)], g),   # 5 + 3 + 1 image = 9 text tokens: sp 4 pads
+                  w=torch.randn(x.shape, generator=g))        # -9 % 4 = 3 (9 % 4 = 1 would not split)
     torch.save(inputs, tmp_path / 'inputs.pt')
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           os.path.join(ROOT, 'tests', 'sp_worker.py'), path, str(tmp_path / 'inputs.pt'), str(tmp_path / 'out.pt')]
-    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=4',
+           os.path.join(ROOT, 'tests', 'sp_layout_worker.py'), path, str(tmp_path / 'inputs.pt'), str(tmp_path / 'out.pt')]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f'rc {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}'
     got = torch.load(tmp_path / 'out.pt')
-    # the split happened, in the forward and the checkpointed recomputation: (video + padded text) / 2
-    assert got['seen'] == [(48 + 10) // 2] * 2, got['seen']
 
-    # the reference: one process, diffusers' own attention processor (dense mask), no padding
-    model = load_transformer(path)
-    v = velocity(model, x, inputs['s'], inputs['text'], 6.0, inputs['text_neg'])
+    import model as M
+    ref = load_transformer(path, attention='diffusers')
+    M.PASSES[:] = [0, 0]
+    v = velocity(ref, x, inputs['s'], inputs['text'], 6.0, inputs['text_neg'])
     (v * inputs['w']).sum().backward()
-    assert (got['v'] - v.detach()).abs().max() <= 1e-5 * v.abs().max(), (got['v'] - v).abs().max()
-    total = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm()
-    for n, p in model.named_parameters():
-        if n not in got['grads']:
-            assert p.grad is None or not p.grad.any(), n
-            continue
-        if p.grad.norm() < 1e-6 * total:  # mathematically 0 (the refiner's key bias shifts all of a
-            continue                      # query's scores alike): rounding noise, no relative error
-        err = (got['grads'][n] - p.grad).norm() / p.grad.norm()
-        assert err <= 1e-5, (n, err.item())
+    passes = dict(rollout=0, update=0)
+    M.count_passes(passes, ('rollout', 'update'))
+    assert passes == dict(rollout=0, update=4)  # 2 clips x 2 CFG branches, with grad
+    total = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None]).norm()
+    for n, r in got.items():
+        # the split happened, in the forward and the checkpointed recomputation: rank 0's share of
+        # its group's video + text, the text padded to a multiple of n
+        T = 5 + 3 + 1  # Qwen and ByT5 as batch_text padded them for the whole batch, + the image token
+        assert r['seen'] == [(48 + T + -T % n) // n] * 2, (n, r['seen'])
+        assert r['passes'] == passes, (n, r['passes'])  # counted once per sp group
+        assert (r['v'] - v.detach()).abs().max() <= 1e-5 * v.abs().max(), (n, (r['v'] - v).abs().max())
+        for k, p in ref.named_parameters():
+            if k not in r['grads']:
+                assert p.grad is None or not p.grad.any(), (n, k)
+                continue
+            if p.grad.norm() < 1e-6 * total:  # mathematically 0 (the refiner's key bias shifts all of a
+                continue                      # query's scores alike): rounding noise, no relative error
+            err = (r['grads'][k] - p.grad).norm() / p.grad.norm()
+            assert err <= 1e-5, (n, k, err.item())
+        # divide_work: 2n - 1 clips over each group, clip c by the group's sp rank c % n, all clips back
+        for dp_rank, work in enumerate(r['work']):
+            assert work['clip'].tolist() == list(range(2 * n - 1))
+            assert work['rank'].tolist() == [dp_rank * n + c % n for c in range(2 * n - 1)], (n, dp_rank, work)
 
 
 def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path):
@@ -104,3 +122,7 @@ def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path):
     for a, b in zip(rows[one], rows[two]):
         for k in ('reward', 'VQ', 'MQ', 'TA', 'group_std', 'loss', 'kl_pos', 'gnorm_first', 'gnorm_last'):
             assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), (a['iter'], k, a[k], b[k])
+        # the transformer passes of an iteration are counted once per sp group, not once per rank
+        assert {k: v for k, v in a.items() if k.startswith('passes_')} == \
+            {k: v for k, v in b.items() if k.startswith('passes_')}, (a, b)
+    assert rows[two][-1]['passes_update'] > 0

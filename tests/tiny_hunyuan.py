@@ -8,6 +8,9 @@ directory loads this one the same way.
     from tiny_hunyuan import make_tiny_hunyuan
     root = make_tiny_hunyuan(tmp_path)  # -> str, a HunyuanVideo15Pipeline.from_pretrained() dir
 
+The transformer's qk-norm gains (norm_q, norm_k, norm_added_q, norm_added_k of every block) are
+random, not RMSNorm's initial ones: a processor that normalises the text keys with the query's norm,
+or applies rope before the qk-norm, then differs from diffusers' (tests/test_attention.py).
 Deterministic: the same weights and tokenizer on every call. Not a test file itself (no test_ prefix).
 """
 import inspect
@@ -144,11 +147,24 @@ def make_tiny_pipeline(sizes=TINY):
         text_embed_dim=text['hidden_size'], text_embed_2_dim=sizes['byt5']['d_model'],
         **sizes['transformer']), sizes['transformer_dtype']).eval()  # rope axes sum to the head dim
 
+    random_norm_gains(transformer)
     return HunyuanVideo15Pipeline(
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),  # the 480p shift
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
         guider=ClassifierFreeGuidance(guidance_scale=6.0))
+
+
+def random_norm_gains(transformer, seed=SEED + 4):
+    """Every block's four qk-norm gains drawn from U(0.5, 1.5), each its own (a trained model's are
+    not 1): with gains of 1 the four norms are the same function, and a mix-up between them is invisible."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            for name in ('norm_q', 'norm_k', 'norm_added_q', 'norm_added_k'):
+                w = getattr(block.attn, name).weight
+                w.copy_(0.5 + torch.rand(w.shape, generator=g))
+    return transformer
 
 
 def make_tiny_hunyuan(root, sizes=TINY):
