@@ -47,7 +47,7 @@ prompt = (256, 32)              # valid Qwen and ByT5 tokens of the prompt (ByT5
 negative = (8, 0)               # of the negative prompt (an empty prompt: a few tokens, no quoted text)
 text_cases = ((256, 32), (128, 0), (1000, 256))  # FLOP table: prompts (Qwen, ByT5), each with `negative`
 reps = 3                        # timed repetitions per processor and backend
-budget = 480                    # seconds: the timing stops starting new cases after this (10 min in all)
+budget = 240                    # seconds: no new case starts after this (bench/gpu_check.py's phase limit: 300)
 out = 'results/attention'       # writes out_flops.md, out_gpu.md and out_gpu.json
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
                    if __name__ == '__main__' else [])

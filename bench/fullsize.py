@@ -6,8 +6,7 @@ dtypes, no storage), and a ready check for the day GPUs are at hand.
     python -m bench.fullsize                           # the estimate -> results/fullsize.{md,json}, README block
     python -m bench.fullsize --only=train & python -m bench.fullsize --only=rollout,lora; \
         python -m bench.fullsize --reuse=True          # the same in two parallel parts, then assembled
-    python -m bench.fullsize --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance,
-                                                       # both attention processors timed on one block at 81x480x848
+    python -m bench.fullsize --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance
     torchrun --nproc_per_node=8 -m bench.fullsize --gpu   # all GPUs: a full fine-tune micro-step (FSDP2)
     python -m bench.fullsize --gpu --tiny --device=cpu    # the check at tiny size on a CPU (tests/test_fullsize.py)
 
@@ -15,9 +14,11 @@ How the estimate measures: the transformer is built from its config (data:
 assets/hunyuanvideo15_480p_t2v_transformer.json, the diffusers class defaults) on the meta device,
 sharded with model.shard (the trainer's FSDP2 layout: every block, then the root; bf16 params, fp32
 reduce) over a fake process group of 8 ranks played by this one process, and materialised as fake
-tensors, its blocks' attention set by hunyuan15.set_attention as train.py's load path sets it
-(MaskedKeysAttention; --processor=diffusers for diffusers' own, whose runs are also measured
-for the comparison as diffusers_*). One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
+tensors, its blocks' attention set by hunyuan15.set_attention as the load path sets it, with
+MaskedKeysAttention (attention='masked_keys': the valid tokens' lengths would be data a fake tensor
+does not hold; train.py's default, valid_tokens, computes at most these attention FLOPs and holds no
+mask, bench/attention.py); --processor=diffusers for diffusers' own, whose runs are also measured
+for the comparison as diffusers_*. One micro-step runs as train.py's step_losses does (the anchor's no-grad forward with its
 weights swapped in, the policy's forward with both CFG branches and grad, backward with per-block
 checkpointing, then clip + AdamW), under FSDPMemTracker (bytes by category: sharded / gathered
 params, grads, optimizer state, activations, backward temporaries) and FlopCounterMode's per-op
@@ -102,7 +103,7 @@ gpu_gb = 80.0                   # memory of one GPU (H100 80 GB; an H200 has 141
 tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for time on paper (~40% of H100 dense peak)
 videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
 metrics_params = 1.414e9        # CLIP-L (428M) + PickScore (CLIP-H, 986M): bf16, resident during evaluation only
-processor = 'masked_keys'       # the blocks' attention, train.py's `attention` (hunyuan15.set_attention); 'diffusers'
+processor = 'masked_keys'       # the blocks' attention (hunyuan15.set_attention): 'masked_keys' | 'diffusers'
 seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
@@ -587,8 +588,9 @@ def report(out):
           'both CFG branches, backward with per-block checkpointing, clip + AdamW) or one rollout forward '
           f'({c["rollout_batch"]} clips x 2 CFG branches for FSDP, 1 clip for LoRA), on fake tensors, with FSDP2 applied by '
           'model.shard over a fake process group, bf16 compute; memory by FSDPMemTracker / MemTracker, FLOPs by '
-          "FlopCounterMode's formulas. The blocks' attention is train.py's: hunyuan15.MaskedKeysAttention "
-          f'(`attention = \'{c.get("processor", "masked_keys")}\'`), padded text and image tokens masked as keys only, '
+          "FlopCounterMode's formulas. The blocks' attention: hunyuan15.MaskedKeysAttention "
+          f'(`attention = \'{c.get("processor", "masked_keys")}\'`; train.py\'s default, valid_tokens, attends over the '
+          'valid tokens alone, at most these FLOPs: results/attention_flops.md), padded text and image tokens masked as keys only, '
           'a (B, S) key mask that SDPA takes as a broadcast bias; it runs as on a GPU (the memory-efficient kernel, '
           'the mask as a padded bf16 bias; cuDNN allocates the same). What train.py keeps (issue 22, as train.py does '
           'once its fixes are in): AdamW state and accumulated gradients exist during the training step; the gradients '
@@ -642,15 +644,11 @@ def report(out):
                'mask), else the memory-efficient kernel; either reads a materialised (B, S, S) bf16 bias (plus the two '
                '(B, S, S) boolean masks diffusers builds). With masked keys: the same two kernels with a (B, 1, 1, S) '
                'bias, broadcast over heads and query rows: O(B S) memory. A batch without any padding could take flash, '
-               'but t2v always has its masked image token. `python -m bench.fullsize --gpu` prints the kernel torch '
-               'picks for each processor and times both on one block at 81x480x848.',
-               '', 'Not chosen, and why: trimming each batch\'s text to its valid tokens removes the mask only where every '
-               'sequence of the batch has the same length, which CFG batches (prompt and negative prompt) never do, and '
-               'the image token is padding in every t2v batch; grouping a batch by length needs the lengths on the host '
-               '(a sync per block) and shapes fake tensors cannot measure. Variable-length attention '
-               '(torch.nn.attention.varlen_attn) needs packed keys or `seqused_k`, which is inference-only in torch 2.13, '
-               'and has no CPU kernel to test against diffusers. The key mask leaves O(B S) bytes, nothing to win on memory; '
-               'what flash would add over cuDNN / memory-efficient is speed, for the GPU check to measure.', '']
+               'but t2v always has its masked image token.',
+               '', "train.py's default attention, valid_tokens (attention.py), takes no mask at all: each sample "
+               'attends over its own valid tokens, one backend call per run of equal lengths, so SDPA may run flash; '
+               'its FLOPs against masked keys: results/attention_flops.md; its time on a GPU, per processor and backend: '
+               '`python -m bench.attention --gpu` (results/attention_gpu.md).', '']
     if out.get('sp'):
         md += sp_report(out, g)
     md += ['### Against bench/toy.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
@@ -763,9 +761,8 @@ def sp_report(out, g):
                '(n x its FLOPs over sp 1\'s): diffusers\' NATIVE attention backend, which the masked-key processor '
                'dispatches to, runs Ulysses through an autograd function that saves only q, k, v and recomputes the '
                'attention forward in its backward (_native_attention_backward_op), one more attention forward per '
-               "block on top of the checkpointing recompute. diffusers' `_native_cudnn` backend saves the logsumexp "
-               'and does not recompute (bf16 on a GPU: `policy.set_attention_backend(\'_native_cudnn\')`); '
-               'untested here, for the GPU check to measure.', '']
+               "block on top of the checkpointing recompute. train.py's default attention, valid_tokens, does the "
+               'all-to-all itself around the backend\'s own differentiable kernel: no recompute (attention.py).', '']
     return md
 
 
@@ -776,68 +773,11 @@ TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head
             rope_axes_dim=(2, 2, 4))  # docs/method.md section 7's tiny transformer: builds in milliseconds
 
 
-def time_block(dev, reps=3):
-    """Both attention processors (hunyuan15.set_attention) on one transformer block at real size
-    (81x480x848: 33,390 video + 1,257 text tokens, text padded as a CFG batch pads it): a rollout
-    forward (rollout_batch clips x 2 branches, no grad) and a training forward + backward (1 clip x
-    2 branches). Seconds per call, peak memory, and the SDPA kernel torch picks for the call."""
-    from diffusers.models.transformers.transformer_hunyuan_video15 import (
-        HunyuanVideo15RotaryPosEmbed, HunyuanVideo15TransformerBlock)
-    from torch.nn.attention import SDPBackend
-    cuda = dev.startswith('cuda')
-    cfg = TINY if tiny else load_config()
-    heads, d = cfg['num_attention_heads'], cfg['attention_head_dim']
-    D, dtype = heads * d, torch.bfloat16 if cuda else torch.float32
-    f, h, w = ((9, 64, 96) if tiny else (num_frames, *sizes[-1]))
-    f, h, w = (f - 1) // 4 + 1, h // 16, w // 16
-    V, T = f * h * w, (12 if tiny else sum(text_tokens)) + IMAGE_TOKENS    # video, text + image tokens
-    torch.manual_seed(seed)
-    blk = HunyuanVideo15TransformerBlock(heads, d, mlp_ratio=4.0, qk_norm='rms_norm').to(dev, dtype)
-    rope = HunyuanVideo15RotaryPosEmbed(1, 1, cfg.get('rope_axes_dim', (16, 56, 56)), 256.0)(
-        torch.empty(1, 1, f, h, w, device=dev))                          # (cos, sin), each (V, d)
-    out = {}
-    for proc in ('diffusers', 'masked_keys'):
-        set_attention(SimpleNamespace(transformer_blocks=[blk]), proc)
-        for what, B, grad in (('rollout forward', 2 * rollout_batch, False), ('train forward+backward', 2, True)):
-            x = torch.randn(B, V, D, device=dev, dtype=dtype, requires_grad=grad)
-            txt = torch.randn(B, T, D, device=dev, dtype=dtype, requires_grad=grad)
-            temb = torch.randn(B, D, device=dev, dtype=dtype)
-            mask = torch.ones(B, T, device=dev, dtype=torch.bool)        # valid tokens first, as diffusers orders them
-            mask[:, -IMAGE_TOKENS:] = False                              # t2v's image token
-            mask[B // 2:, T // 10:] = False                              # the negative prompt's branch: shorter
-            S = V + T
-            key_mask = F.pad(mask, (V, 0), value=True)[:, None, None]    # (B, 1, 1, S) what each processor gives SDPA
-            q = torch.empty(B, heads, S, d, device=dev, dtype=dtype, requires_grad=grad)  # grad: the backward's constraints too
-            m = key_mask if proc == 'masked_keys' else key_mask.expand(B, 1, S, S)
-            kernel = SDPBackend(torch._fused_sdp_choice(q, q, q, m)).name
-            del q
-
-            def call():
-                with torch.set_grad_enabled(grad):
-                    a, b = blk(x, txt, temb, mask, rope)
-                    if grad:
-                        (a.float().square().mean() + b.float().square().mean()).backward()
-            call()  # warm-up (kernel selection, allocator)
-            if cuda:
-                torch.cuda.synchronize(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-                base = torch.cuda.memory_allocated(dev)
-            t = time.time()
-            for _ in range(reps):
-                call()
-            if cuda:
-                torch.cuda.synchronize(dev)
-            out[f'{proc}: {what}'] = dict(seconds=(time.time() - t) / reps, kernel=kernel, batch=B, tokens=S,
-                                          peak_gib=(torch.cuda.max_memory_allocated(dev) - base) / GiB if cuda else 0.0)
-            del x, txt
-    return out
-
-
 def check():
     """Real tensors, random weights of the real size (no download): under torchrun a full
     fine-tune micro-step with FSDP2 on every rank, else a LoRA micro-step on one device; a rollout
-    forward; the PPO ratio of clips rolled out in a batch and recomputed one at a time; both
-    attention processors timed on one block (time_block)."""
+    forward; the PPO ratio of clips rolled out in a batch and recomputed one at a time (the blocks'
+    attention is timed by bench/attention.py --gpu)."""
     import resource
     import sde
     ddp = 'RANK' in os.environ
@@ -893,10 +833,6 @@ def check():
     ratio = torch.exp(torch.cat(one) - st.logp)                         # (n,) exactly 1 if batch-invariant
     res['ratio_distance'] = (ratio - 1).abs().max().item()
     P = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
-    del model, anchor, opt, store, x, v, st  # free the device for the block timing
-    if cuda:
-        torch.cuda.empty_cache()
-    res['block'] = time_block(dev) if master else {}
     est = {}
     path = os.path.join(out_dir, 'fullsize.json')
     if not tiny and os.path.exists(path):
@@ -909,7 +845,7 @@ def check():
         print(f'check on {dev} x{dist.get_world_size() if ddp else 1}: {"full fine-tune, FSDP2" if ddp else f"LoRA r{lora_rank}"}, '
               f'~{P / 1e9:.3f}B params, {Fr}x{H}x{W}')
         for name, r in res.items():
-            if name in ('ratio_distance', 'block'):
+            if name == 'ratio_distance':
                 continue
             e = est.get('rollout' if 'rollout' in name else 'train')
             e = e and e['phases'].get(name)
@@ -918,8 +854,6 @@ def check():
         d = res['ratio_distance']
         print(f'  PPO ratio, batched rollout vs one clip at a time: max |ratio - 1| = {d:.2e} '
               f'({"above" if d > 1e-4 else "within"} the clip range 1e-4)')
-        for name, r in res['block'].items():
-            print(f'  block, {name:38s} {r["seconds"]:8.3f} s   peak {r["peak_gib"]:7.2f} GiB   SDPA kernel {r["kernel"]}')
         print('CHECK_JSON ' + json.dumps(res))
     if ddp:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """
-The one prepared command for a lent GPU machine: today's stand-in measurement (bench/fullsize.py --gpu),
-then the program itself, train.py and sample.py, as a user runs them on one GPU.
+The one prepared command for a lent GPU machine: the stand-in measurement (bench/fullsize.py --gpu),
+the blocks' attention timed per processor and backend (bench/attention.py --gpu), then the program
+itself, train.py and sample.py, as a user runs them on one GPU.
 
     python -m bench.gpu_check                     # on one GPU, ~10 minutes at most -> results/gpu_check.{md,json}
     python -m bench.gpu_check --device=cpu        # the same phases on a CPU (the rehearsal's 1-block models)
@@ -14,6 +15,8 @@ LoRA (config/lora_1gpu.py, the one-GPU setting), 1 on a CPU.
 Phases, each a subprocess (its own CUDA peak: torch.cuda.max_memory_allocated at its exit, and the
 peak resident memory of its process tree; wall time):
 1. fullsize: `python -m bench.fullsize --gpu` (on a CPU: with --tiny), the stand-in forward + step
+   attention: `python -m bench.attention --gpu` (on a CPU: with --tiny), one block's forward +
+   backward per processor and backend -> results/attention_gpu.md (alone: that command, ~2 minutes)
 2. build: the rehearsal's models (skipped with real weights; cached)
 3. train: `python train.py config/lora_1gpu.py` on them: 1 iteration of 2 sampler steps, a tiny
    video, evaluation at the start and end with CLIPScore and PickScore, a checkpoint, no export
@@ -39,7 +42,8 @@ num_frames = 9                  # the video of the check: 9 frames at 64x112 -> 
 height = 64
 width = 112
 num_steps = 2                   # sampler steps (both trained)
-fullsize = True                 # run bench.fullsize --gpu first (today's stand-in measurement)
+fullsize = True                 # run bench.fullsize --gpu first (the stand-in measurement)
+attention = True                # run bench.attention --gpu (the blocks' attention timed per backend)
 cache_dir = '/tmp/sage-rehearsal/models'  # the random models (bench/rehearsal.py builds them)
 work_dir = '/tmp/sage-gpu-check'  # train.py's out_dir and sample.py's output (wiped at the start)
 out = 'results/gpu_check'       # writes out.md and out.json
@@ -91,6 +95,8 @@ def main():
 
     if fullsize and not tiny:
         phase('fullsize', [py, '-m', 'bench.fullsize', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
+    if attention and not tiny:
+        phase('attention', [py, '-m', 'bench.attention', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
     if real:
         d = dict(hunyuan=w('HunyuanVideo-1.5-480p_t2v'), videoalign=w('VideoReward'), qwen=w('Qwen2-VL-2B-Instruct'),
                  clip=w('clip-vit-large-patch14'), pickscore=w('PickScore_v1'))

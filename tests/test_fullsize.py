@@ -14,6 +14,7 @@ import torch
 from bench import fullsize as bf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'tests'))  # tiny_hunyuan
 # a small transformer with ~0.9 GB of training state (fp32 params, grads, AdamW, anchor: 20 bytes
 # a parameter, 48M parameters) and 1152 video tokens, so activations count too
 SMALL = dict(bf.load_config(os.path.join(ROOT, bf.model_config)), num_layers=2, num_attention_heads=8,
@@ -43,8 +44,9 @@ def test_fixed_order_forward_is_diffusers_forward():
     from diffusers import HunyuanVideo15Transformer3DModel as T
     from hunyuan15 import set_attention
     from model import velocity
+    from tiny_hunyuan import random_norm_gains
     torch.manual_seed(0)
-    model = T(**bf.TINY).eval()
+    model = random_norm_gains(T(**bf.TINY).eval())  # qk-norm gains that tell the four norms apart
     x, s = torch.randn(2, 4, 3, 4, 6), torch.tensor([0.7, 0.3])
     text = [torch.randn(2, 5, 16), torch.ones(2, 5), torch.randn(2, 3, 8), torch.ones(2, 3)]
     neg = [torch.randn(2, 4, 16), torch.ones(2, 4), torch.randn(2, 3, 8), torch.ones(2, 3)]
@@ -56,12 +58,13 @@ def test_fixed_order_forward_is_diffusers_forward():
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_bench_attention_is_train_attention():
-    # build() sets the blocks' attention as model.load_transformer does for train.py
+def test_bench_attention_is_set_as_the_load_path_sets_it():
+    # build() sets the blocks' attention with hunyuan15.set_attention, as model.load_transformer does;
+    # masked keys: train.py's 'masked_keys' (its default, valid_tokens, needs mask values fake tensors lack)
     import attention
     import hunyuan15
     net = bf.build(bf.TINY, checkpointing=False)
-    assert bf.processor == attention.ATTENTIONS[0] == 'masked_keys'
+    assert bf.processor == 'masked_keys' and bf.processor in attention.ATTENTIONS
     assert all(type(b.attn.processor) is hunyuan15.MaskedKeysAttention for b in net.transformer_blocks)
 
 
