@@ -39,9 +39,10 @@ torch.distributed.nn.functional's differentiable all_to_all), so the padding tha
 evenly over the ranks is dropped like any padding, and the backward is the backend's own (no
 recompute; diffusers' NATIVE Ulysses recomputes the attention forward in its backward).
 masked_keys and diffusers go through diffusers' own Ulysses, which needs a backend with context
-parallelism (sp.enable checks).
+parallelism (ulysses_refuses, checked by the family's cp_plan).
 
-Run here (CPU) and equal to 'native': native, _native_math, _native_flash (no mask), flex. Untested
+Run here (CPU) and equal to 'native': native, _native_math, _native_flash (no mask), flex (forward
+only: no CPU backward). Untested
 (they need a GPU or packages absent here): _native_cudnn, _native_efficient, flash and every other
 flash-attn, sage, xformers, npu and xla backend; bench/attention.py --gpu times and checks those a GPU has.
 Tested by: python -m pytest tests/test_attention.py tests/test_sp.py
@@ -50,12 +51,13 @@ import torch
 
 ATTENTIONS = ('valid_tokens', 'masked_keys', 'diffusers')  # the `attention` setting; the first is the default
 # diffusers 0.42's AttentionBackendName values (tests/test_attention.py checks them against diffusers)
-BACKENDS = ('native', '_native_flash', '_native_cudnn', '_native_efficient', '_native_math', 'flex',
-            'flash', 'flash_hub', 'flash_varlen', 'flash_varlen_hub', 'flash_4_hub', '_flash_3', '_flash_varlen_3',
-            '_flash_3_hub', '_flash_3_varlen_hub', 'aiter_fa2_hub', '_native_npu', '_native_xla', 'sage', 'sage_hub',
-            'sage_blackwell_hub', 'sage_varlen', '_sage_qk_int8_pv_fp8_cuda', '_sage_qk_int8_pv_fp8_cuda_sm90',
-            '_sage_qk_int8_pv_fp16_cuda', '_sage_qk_int8_pv_fp16_triton', 'xformers')
-# backends that raise on any attn_mask (diffusers 0.42): they run valid_tokens only
+BACKENDS = ('native', '_native_flash', '_native_cudnn', '_native_efficient', '_native_math', 'flex', 'flash',
+            'flash_hub', 'flash_varlen', 'flash_varlen_hub', 'flash_4_hub', '_flash_3', '_flash_varlen_3',
+            '_flash_3_hub', '_flash_3_varlen_hub', 'aiter_fa2_hub', '_native_npu', '_native_xla', 'sage',
+            'sage_hub', 'sage_blackwell_hub', 'sage_varlen', '_sage_qk_int8_pv_fp8_cuda',
+            '_sage_qk_int8_pv_fp8_cuda_sm90', '_sage_qk_int8_pv_fp16_cuda', '_sage_qk_int8_pv_fp16_triton',
+            'xformers')
+# backends that raise on any attn_mask (diffusers 0.42, docs/method.md section 10.3): valid_tokens only
 NO_MASK = ('_native_flash', 'flash', 'flash_hub', 'flash_4_hub', '_flash_3', '_flash_3_hub', 'aiter_fa2_hub',
            '_native_xla', 'sage', 'sage_hub', 'sage_blackwell_hub', '_sage_qk_int8_pv_fp8_cuda',
            '_sage_qk_int8_pv_fp8_cuda_sm90', '_sage_qk_int8_pv_fp16_cuda', '_sage_qk_int8_pv_fp16_triton')
@@ -77,7 +79,7 @@ def backend(name):
     from diffusers.models.attention_dispatch import (AttentionBackendName, _check_attention_backend_requirements,
                                                      _maybe_download_kernel_for_backend)
     if name not in BACKENDS:
-        raise SystemExit(f'attention_backend must be a diffusers attention backend ({", ".join(BACKENDS)}), got {name!r}')
+        raise SystemExit(f'attention_backend must be one of {", ".join(BACKENDS)}, got {name!r}')
     b = AttentionBackendName(name)
     try:
         _check_attention_backend_requirements(b)
@@ -85,6 +87,19 @@ def backend(name):
     except (RuntimeError, ImportError, OSError) as e:
         raise SystemExit(f'attention_backend {name!r} cannot run here: {e}')
     return b
+
+
+def ulysses_refuses(backend):
+    """None, or one line on why diffusers' own Ulysses (masked_keys and diffusers under sequence
+    parallel) cannot run on `backend`: diffusers registers context parallelism for a few backends
+    only, and the others would silently attend within each rank's tokens alone."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    b = AttentionBackendName(backend or 'native')
+    if _AttentionBackendRegistry._is_context_parallel_available(b):
+        return None
+    able = ', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))
+    return (f"sequence parallel with a mask runs diffusers' Ulysses, which attention_backend {b.value!r} "
+            f"lacks: use attention='valid_tokens' (the default, any backend) or one of {able}")
 
 
 def key_mask(mask, backend):
@@ -150,7 +165,8 @@ def gather_tokens(x, split, group):
     unsplit order (so a sample's valid tokens are a prefix again)."""
     n = torch.distributed.get_world_size(group)
     B, S_r, H, d = x.shape
-    x = _all_to_all(x.reshape(B, S_r, n, H // n, d).permute(2, 0, 1, 3, 4), group)  # (n, B, S_r, H/n, d) from rank j
+    x = x.reshape(B, S_r, n, H // n, d).permute(2, 0, 1, 3, 4)  # (n, B, S_r, H/n, d): heads j to rank j
+    x = _all_to_all(x, group)                                   # (n, B, S_r, H/n, d): rank j's tokens
     first = x[:, :, :split].transpose(0, 1).reshape(B, n * split, H // n, d)
     second = x[:, :, split:].transpose(0, 1).reshape(B, n * (S_r - split), H // n, d)
     return torch.cat([first, second], 1)

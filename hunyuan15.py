@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import sp
 from attention import (ATTENTIONS, attend, backend as dispatcher_backend, check, gather_tokens, key_mask,
-                       scatter_tokens, ulysses_group, valid_lengths)
+                       scatter_tokens, ulysses_group, ulysses_refuses, valid_lengths)
 
 PIPELINE = 'HunyuanVideo15Pipeline'
 TRANSFORMER = 'HunyuanVideo15Transformer3DModel'
@@ -156,10 +156,10 @@ def cp_plan(net):
     too, for diffusers' Ulysses, which all-gathers it with the keys. diffusers' own processor cannot
     compose (sp.py): it is replaced by MaskedKeysAttention, its backend kept."""
     from diffusers.models._modeling_parallel import ContextParallelInput as In, ContextParallelOutput as Out
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
     proc = net.transformer_blocks[0].attn.processor
     if not isinstance(proc, (ValidTokensAttention, MaskedKeysAttention)):
-        set_attention(net, 'masked_keys', proc._attention_backend.value if proc._attention_backend else 'native')
+        backend = proc._attention_backend  # diffusers' AttentionBackendName
+        set_attention(net, 'masked_keys', backend.value if backend else 'native')
     plan = {
         'rope': {0: In(split_dim=0, expected_dims=2, split_output=True),    # cos (V, d)
                  1: In(split_dim=0, expected_dims=2, split_output=True)},   # sin (V, d)
@@ -170,13 +170,10 @@ def cp_plan(net):
         'proj_out': Out(gather_dim=1, expected_dims=3),                     # (B, V/sp, p) -> (B, V, p)
     }
     proc = net.transformer_blocks[0].attn.processor
-    if isinstance(proc, MaskedKeysAttention):
-        backend = proc._attention_backend or AttentionBackendName.NATIVE
-        if not _AttentionBackendRegistry._is_context_parallel_available(backend):
-            raise SystemExit(f"sequence parallel with attention='masked_keys' runs diffusers' Ulysses, which "
-                             f"attention_backend {backend.value!r} lacks: use "
-                             "attention='valid_tokens' (the default, any backend) or one of "
-                             f"{', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))}")
+    if isinstance(proc, MaskedKeysAttention):  # diffusers' Ulysses, which all-gathers the split mask
+        why = ulysses_refuses(proc._attention_backend)
+        if why:
+            raise SystemExit(why)
         plan['transformer_blocks.*'] = {'attention_mask': In(split_dim=1, expected_dims=2)}  # text mask (B, T)
     return plan
 

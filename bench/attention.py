@@ -115,30 +115,35 @@ def block_flops(Fr, H, W, text, neg, kind, small=False):
 
 def flops_report():
     from bench import fullsize as bf
-    L = bf.load_config()['num_layers']
+    cfg = bf.load_config()
+    L, hd = cfg['num_layers'], cfg['num_attention_heads'] * cfg['attention_head_dim']
     rows, raw = [], []
     for Fr, H, W in sizes:
         for text in text_cases:
             m, v = (block_flops(Fr, H, W, text, negative, k) for k in ('masked_keys', 'valid_tokens'))
-            raw.append(dict(size=(Fr, H, W), text=text, negative=negative, masked_keys=m, valid_tokens=v))
-            per = lambda r, k: L * r[k] / 2 / 1e12  # a pass: one clip, one CFG branch, TFLOP
-            S = m['V'] + m['T']
-            rows.append([f'{Fr}x{H}x{W}', f'{text[0]} + {text[1]}', f'{S:,}', f'{2 * m["T"] - sum(m["valid"])}',
-                         f'{per(m, "forward"):.1f}', f'{per(v, "forward"):.1f}',
+            # a FlexAttention block mask at its best (valid x valid): whole 128 x 128 tiles, closed form
+            tiles = sum((-(-(m['V'] + n) // 128) * 128) ** 2 for n in m['valid'])
+            flex = m['forward'] - m['attn_forward'] + 4 * hd * tiles
+            raw.append(dict(size=(Fr, H, W), text=text, negative=negative, masked_keys=m, valid_tokens=v, flex=flex))
+            per = lambda f: f'{L * f / 2 / 1e12:.1f}'  # a pass: one clip, one CFG branch, TFLOP
+            rows.append([f'{Fr}x{H}x{W}', f'{text[0]} + {text[1]}', f'{m["V"] + m["T"]:,}',
+                         f'{2 * m["T"] - sum(m["valid"])}', per(m['forward']), per(v['forward']), per(flex),
                          f'{100 * (1 - v["forward"] / m["forward"]):.2f}%',
                          f'{100 * (1 - v["attn_forward"] / m["attn_forward"]):.2f}%',
-                         f'{per(m, "forward+backward"):.1f}', f'{per(v, "forward+backward"):.1f}'])
+                         per(m['forward+backward']), per(v['forward+backward'])])
     md = ['# Attention without masks: FLOPs per pass with and without the dropped tokens', '',
           f'Written by `python -m bench.attention` (bench/attention.py; torch {torch.__version__}): one HunyuanVideo 1.5 '
           f'block at real width on fake tensors, FLOPs by torch\'s per-op formulas, x {L} blocks, per pass (one clip, one '
           f'CFG branch). A CFG pair: the prompt (Qwen + ByT5 valid tokens below) and a negative prompt of '
           f'{negative[0]} + {negative[1]}, padded to the longer as model.batch_text pads them, plus t2v\'s masked image token. '
-          'masked keys: every sample attends over all S tokens, padding masked; valid tokens (train.py\'s default): '
-          'each over its own valid tokens, no mask (attention.attend: here 2 calls a block, one per branch). '
+          'masked keys: every sample attends over all S tokens, padding masked (1 backend call a block); valid tokens '
+          '(train.py\'s default, attention.attend): each over its own valid tokens, no mask, 2 calls a block (one per '
+          'branch); packing both into one variable-length call costs the same FLOPs; a FlexAttention block mask (1 call) '
+          'computes whole 128 x 128 tiles, at best those of each sample\'s valid x valid tokens (closed form). '
           'The token refiner, embedders and output layer cost the same either way and are left out.', '',
           table(['clip', 'prompt tokens', 'S a sample', 'masked tokens in the pair', 'fwd TFLOP, masked keys',
-                 'fwd TFLOP, valid tokens', 'saved', 'of attention', 'fwd+bwd TFLOP, masked keys',
-                 'fwd+bwd, valid tokens'], rows), '',
+                 'valid tokens (split = packed)', 'flex block mask', 'saved by valid tokens', 'of attention',
+                 'fwd+bwd TFLOP, masked keys', 'fwd+bwd, valid tokens'], rows), '',
           'Dropping the padding saves FLOPs in proportion to it: little against 18-35k video tokens. What the mask '
           'costs beyond FLOPs is the kernel: with any mask torch\'s SDPA never runs flash (docs/method.md section '
           '10.3); `python -m bench.attention --gpu` times that on a GPU (results/attention_gpu.md).']

@@ -1,13 +1,14 @@
 """
-Worker for tests/test_sp.py: one launch of N ranks runs sequence parallel in each layout of LAYOUTS
-(sp sizes dividing N; dp = N / sp groups of consecutive ranks, train.py's layout), each on a fresh
-copy of a tiny HunyuanVideo 1.5 transformer (sp.enable, Ulysses over gloo):
+Worker for tests/test_sp.py: one launch of N ranks runs sequence parallel in each layout of
+INPUTS' `layouts`, (sp, attention) pairs (sp dividing N; dp = N / sp groups of consecutive ranks,
+train.py's layout), each on a fresh copy of a tiny HunyuanVideo 1.5 transformer (sp.enable, Ulysses
+over gloo; attention='diffusers' runs as masked keys on diffusers' Ulysses, hunyuan15.cp_plan):
 - the guided velocity of the clips of this rank's dp group (dp rank r // sp takes clips
   [dp_rank * B/dp, ...)), gathered over the groups, and the gradient of a fixed linear function of
   it, summed over all ranks (each rank holds its own tokens' share of its group's clips);
 - the transformer passes counted (model.count_passes: once per sp group);
 - sp.divide_work in each sp group: which rank computed which clip, and the result.
-Rank 0 writes {sp: results} to OUT.
+Rank 0 writes {(sp, attention): results} to OUT.
 
     python -m torch.distributed.run --nproc_per_node=4 tests/sp_layout_worker.py MODEL_DIR INPUTS OUT
 """
@@ -27,10 +28,11 @@ def main(path, inputs, out):
     rank, world = dist.get_rank(), dist.get_world_size()
     a = torch.load(inputs)
     res = {}
-    for n in a['layouts']:
+    for n, kind in a['layouts']:
         mesh = sp.mesh(n, 'cpu')
-        net = M.load_transformer(path)
+        net = M.load_transformer(path, attention=kind)
         net = sp.enable(net, mesh, M.family_of(net).cp_plan(net))
+        procs = {type(b.attn.processor).__name__ for b in net.transformer_blocks}
         net.enable_gradient_checkpointing()  # as train.py runs it: the split inside each recomputation
         seen = []  # the tokens block 0's attention gets on this rank: its video and text shares
         net.transformer_blocks[0].attn.register_forward_pre_hook(lambda m, args, kw: seen.append(
@@ -53,8 +55,9 @@ def main(path, inputs, out):
                               2 * n - 1, mesh)  # clips that do not split evenly over the group
         works = [None] * world
         dist.all_gather_object(works, work)  # every group's, from its first rank
-        res[n] = dict(v=torch.cat(vs[::n]), grads=grads, passes=passes, seen=seen, work=works[::n])
-        print(f'rank {rank} of {world}, sp {n}: block 0 saw {seen} tokens, passes {passes}', flush=True)
+        res[n, kind] = dict(v=torch.cat(vs[::n]), grads=grads, passes=passes, seen=seen, work=works[::n],
+                            processors=procs)
+        print(f'rank {rank} of {world}, sp {n} {kind}: block 0 saw {seen} tokens, passes {passes}', flush=True)
     if rank == 0:
         torch.save(res, out)
     dist.barrier()

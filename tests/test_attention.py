@@ -254,6 +254,11 @@ def test_switches_one_line(root):
         model.load_transformer(root, attention='flash')
     with pytest.raises(SystemExit, match="attention_backend 'flash' cannot run here"):  # flash-attn absent
         model.load_transformer(root, backend='flash')
+    # sequence parallel: a mask needs diffusers' Ulysses, which _native_math lacks (it would attend within
+    # each rank's tokens); valid tokens do their own all-to-all, so any backend, and no mask is split
+    with pytest.raises(SystemExit, match="attention_backend '_native_math' lacks"):
+        hunyuan15.cp_plan(net(root, 'masked_keys', '_native_math'))
+    assert 'transformer_blocks.*' not in hunyuan15.cp_plan(net(root, 'valid_tokens', '_native_math'))
     g = dict(attention='valid_tokens', attention_backend='native')
     configure(dict(g), ['--attention_backend=_native_flash'])  # no mask: fine without one
     with pytest.raises(SystemExit, match=r"^config error: attention_backend '_native_flash' takes no mask"):

@@ -25,14 +25,17 @@ def text_batch(lengths, g):
 
 
 def test_sp4_and_dp2_sp2_equal_one_process(tmp_path):
-    # one launch of 4 ranks, two layouts: sp 4 (one group) and dp 2 x sp 2 (rank // sp is the dp rank,
-    # not rank % dp), against one process with diffusers' own attention processor (dense mask, no
-    # padding). A 4-head tiny transformer (Ulysses splits heads); 48 video tokens
+    # one launch of 4 ranks, three layouts: sp 4 (one group) and dp 2 x sp 2 (rank // sp is the dp rank,
+    # not rank % dp) with the default attention (its own all-to-all), and sp 4 with a mask on diffusers'
+    # Ulysses (attention='diffusers', which cp_plan turns into masked keys), against one process with
+    # diffusers' own attention processor (dense mask, no padding). A 4-head tiny transformer (Ulysses
+    # splits heads); 48 video tokens
     from tiny_hunyuan import TINY
     path = make_tiny_hunyuan(tmp_path / 'tiny4', dict(TINY, transformer=dict(TINY['transformer'], num_attention_heads=4)))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 3, 4, 4, generator=g)  # (B, C, F, H, W): 48 video tokens
-    inputs = dict(x=x, s=torch.tensor([0.9, 0.4]), cfg=6.0, layouts=[4, 2],
+    inputs = dict(x=x, s=torch.tensor([0.9, 0.4]), cfg=6.0,
+                  layouts=[(4, 'valid_tokens'), (2, 'valid_tokens'), (4, 'diffusers')],
                   text=text_batch([(5, 0), (2, 3)], g),       # mixed prompt lengths, one with ByT5 text:
                   text_neg=text_batch([(3, 0), (3, 0)], g),   # 5 + 3 + 1 image = 9 text tokens: sp 4 pads
                   w=torch.randn(x.shape, generator=g))        # -9 % 4 = 3 (9 % 4 = 1 would not split)
@@ -53,21 +56,23 @@ def test_sp4_and_dp2_sp2_equal_one_process(tmp_path):
     M.count_passes(passes, ('rollout', 'update'))
     assert passes == dict(rollout=0, update=4)  # 2 clips x 2 CFG branches, with grad
     total = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None]).norm()
-    for n, r in got.items():
+    assert len(got) == 3
+    for (n, kind), r in got.items():
+        assert r['processors'] == {'ValidTokensAttention' if kind == 'valid_tokens' else 'MaskedKeysAttention'}
         # the split happened, in the forward and the checkpointed recomputation: rank 0's share of
         # its group's video + text, the text padded to a multiple of n
         T = 5 + 3 + 1  # Qwen and ByT5 as batch_text padded them for the whole batch, + the image token
-        assert r['seen'] == [(48 + T + -T % n) // n] * 2, (n, r['seen'])
-        assert r['passes'] == passes, (n, r['passes'])  # counted once per sp group
-        assert (r['v'] - v.detach()).abs().max() <= 1e-5 * v.abs().max(), (n, (r['v'] - v).abs().max())
+        assert r['seen'] == [(48 + T + -T % n) // n] * 2, (n, kind, r['seen'])
+        assert r['passes'] == passes, (n, kind, r['passes'])  # counted once per sp group
+        assert (r['v'] - v.detach()).abs().max() <= 1e-5 * v.abs().max(), (n, kind, (r['v'] - v).abs().max())
         for k, p in ref.named_parameters():
             if k not in r['grads']:
-                assert p.grad is None or not p.grad.any(), (n, k)
+                assert p.grad is None or not p.grad.any(), (n, kind, k)
                 continue
             if p.grad.norm() < 1e-6 * total:  # mathematically 0 (the refiner's key bias shifts all of a
                 continue                      # query's scores alike): rounding noise, no relative error
             err = (r['grads'][k] - p.grad).norm() / p.grad.norm()
-            assert err <= 1e-5, (n, k, err.item())
+            assert err <= 1e-5, (n, kind, k, err.item())
         # divide_work: 2n - 1 clips over each group, clip c by the group's sp rank c % n, all clips back
         for dp_rank, work in enumerate(r['work']):
             assert work['clip'].tolist() == list(range(2 * n - 1))
