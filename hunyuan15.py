@@ -31,7 +31,7 @@ out of the attention altogether, with no mask (attention.attend: one call per ru
 lengths); MaskedKeysAttention ('masked_keys') masks them as keys only. A padded token's query row
 computes something no one reads (it is a masked key in every later block and dropped at the end), so
 every valid token's output equals diffusers' to float rounding either way.
-Tested by: python -m pytest tests/test_model.py tests/test_attention.py
+Tested by: python -m pytest tests/test_model.py tests/test_attention.py tests/test_sp.py
 """
 import torch
 import torch.nn.functional as F

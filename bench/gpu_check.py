@@ -16,7 +16,7 @@ Phases, each a subprocess (its own CUDA peak: torch.cuda.max_memory_allocated at
 peak resident memory of its process tree; wall time):
 1. fullsize: `python -m bench.fullsize --gpu` (on a CPU: with --tiny), the stand-in forward + step
    attention: `python -m bench.attention --gpu` (on a CPU: with --tiny), one block's forward +
-   backward per processor and backend -> results/attention_gpu.md (alone: that command, ~2 minutes)
+   backward per processor and backend -> results/attention_gpu.md (alone: that command)
 2. build: the rehearsal's models (skipped with real weights; cached)
 3. train: `python train.py config/lora_1gpu.py` on them: 1 iteration of 2 sampler steps, a tiny
    video, evaluation at the start and end with CLIPScore and PickScore, a checkpoint, no export

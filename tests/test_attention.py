@@ -96,17 +96,22 @@ class Unmasked(hunyuan15.MaskedKeysAttention):
         return super().__call__(attn, hidden_states, encoder_hidden_states, None, image_rotary_emb)
 
 
-def test_gradients_equal_diffusers_in_training(root, cache):
-    # as train.py runs it: gradient checkpointing (the blocks recomputed in backward, the valid lengths
-    # read once), both CFG branches with grad, a fixed linear function of the velocity
+def test_gradients_equal_diffusers_in_training(root, cache, monkeypatch):
+    # as train.py runs it: gradient checkpointing (the blocks recomputed in backward), both CFG branches
+    # with grad, a fixed linear function of the velocity; the valid lengths are read from the mask once
+    # (one device-to-host copy on a GPU), not once per block or again in the recomputation
     x, s, text, neg = inputs(cache, PROMPTS, ['', 'blurry', ''], seed=2)
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    reads, count = [], torch.Tensor.count_nonzero
+    monkeypatch.setattr(torch.Tensor, 'count_nonzero', lambda t, *a, **k: reads.append(t.shape) or count(t, *a, **k))
     grads = {}
     for kind in ('valid_tokens', 'diffusers'):
         n = net(root, kind).train()
         n.enable_gradient_checkpointing()
         (model.velocity(n, x, s, text, 6.0, neg) * w).sum().backward()
         grads[kind] = {k: p.grad for k, p in n.named_parameters() if p.grad is not None}
+        if kind == 'valid_tokens':
+            assert len(reads) == 1, reads  # 2 blocks, forward and recomputation: one read
     assert grads['valid_tokens'].keys() == grads['diffusers'].keys()
     total = torch.cat([g.flatten() for g in grads['diffusers'].values()]).norm()
     for k, g in grads['diffusers'].items():
