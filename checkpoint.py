@@ -8,6 +8,7 @@ Training state that scales with the model: sharded checkpoints with torch.distri
         loop.json                     iteration, optimizer steps, lambda_KL controller, optimizer
                                       hyperparameters, config, and every file's size and crc32
     <out_dir>/latest                  the name of the newest published checkpoint
+    (the keep_checkpoints newest by iteration stay, the one just published always among them)
 
     python checkpoint.py export out-toy out-toy/export              # the newest checkpoint of a run
     python checkpoint.py export out-toy/ckpt_000020 DEST --dtype=float32
@@ -130,7 +131,10 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
         with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
             f.write(name)
         os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
-        for d in sorted(d for d in os.listdir(out_dir) if _is_ckpt(d))[:-keep]:
+        # rotation by iteration among those up to this one, which stays (so `latest` names one that
+        # exists); a later one (damaged: the run resumed before it) stays until that iteration is saved again
+        older = [d for d in found(out_dir) if _iteration(d) < _iteration(name)]
+        for d in older[:max(0, len(older) - (keep - 1))]:
             shutil.rmtree(os.path.join(out_dir, d))
     _barrier()  # every rank returns once the checkpoint is published
     _published.add(os.path.join(out_dir, name))
@@ -141,7 +145,16 @@ _published = set()  # checkpoint paths this process wrote or resumed from (see s
 
 
 def _is_ckpt(d):
-    return d.startswith(PREFIX) and not d.endswith('.tmp')
+    return d.startswith(PREFIX) and d[len(PREFIX):].isdigit()  # not a save's .tmp directory
+
+
+def _iteration(d):
+    return int(d[len(PREFIX):])
+
+
+def found(out_dir):
+    """The checkpoint directories of out_dir by iteration, oldest first (not by name: 1000000 > 999999)."""
+    return sorted((d for d in os.listdir(out_dir) if _is_ckpt(d)), key=_iteration) if os.path.isdir(out_dir) else []
 
 
 def _crc(path):
@@ -202,24 +215,24 @@ def damage(path, collective=True):
 def candidates(out_dir, log=print, collective=True):
     """Checkpoints of out_dir to resume from, newest first, the first one verified intact; says
     which ones are skipped and why. Collective under torchrun (see damage)."""
-    found = sorted((d for d in os.listdir(out_dir) if _is_ckpt(d)), reverse=True) if os.path.isdir(out_dir) else []
+    names = found(out_dir)[::-1]
     latest = os.path.join(out_dir, 'latest')
     if os.path.exists(latest):
         with open(latest) as f:
             named = f.read().strip()
-        if named not in found:
+        if named not in names:
             log(f'warning: {latest} names {named}, which is gone')
     good = []
-    for i, d in enumerate(found):  # verified newest first, up to the first intact one; the older
+    for i, d in enumerate(names):  # verified newest first, up to the first intact one; the older
         why = damage(os.path.join(out_dir, d), collective)  # ones stay as fallbacks should its load fail
         if why:
             log(f'warning: checkpoint {os.path.join(out_dir, d)} is damaged ({why}): skipped')
         else:
-            good = [os.path.join(out_dir, d) for d in found[i:]]
+            good = [os.path.join(out_dir, d) for d in names[i:]]
             break
     if not good:
-        raise SystemExit(f'init_from=resume but {out_dir!r} has no intact checkpoint'
-                         + (f' (found {", ".join(found)})' if found else ''))
+        raise SystemExit(f'{out_dir!r} has no intact checkpoint to resume from'
+                         + (f' (found {", ".join(names)})' if names else ''))
     return good
 
 
@@ -356,8 +369,7 @@ def forget_after(out_dir, iter_num, eval_owed=False):
     if os.path.exists(log):
         with open(log) as f:
             lines = f.readlines()
-        kept = [l for l in lines if l.strip() and (json.loads(l)['iter'] < iter_num or json.loads(l)['iter'] == iter_num
-                                                   and not (eval_owed and 'reward' not in json.loads(l)))]
+        kept = [l for l in lines if _kept(l, iter_num, eval_owed)]
         if len(kept) < len(lines):
             with open(log + '.tmp', 'w') as f:
                 f.writelines(kept)
@@ -366,6 +378,14 @@ def forget_after(out_dir, iter_num, eval_owed=False):
     for v in os.listdir(videos) if os.path.isdir(videos) else []:
         if v.startswith('iter') and int(v[4:10]) >= iter_num + (not eval_owed):  # iter000123_4.mp4
             os.remove(os.path.join(videos, v))
+
+
+def _kept(line, iter_num, eval_owed):
+    try:
+        row = json.loads(line)
+    except ValueError:  # cut short by a kill mid-write: that row runs again
+        return False
+    return row['iter'] < iter_num or row['iter'] == iter_num and not (eval_owed and 'reward' not in row)
 
 
 def resolve(path):

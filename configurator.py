@@ -59,7 +59,7 @@ RULES = dict(
     sampler=one_of(*SAMPLERS), kl_strategy=one_of(*STRATEGIES), optimizer=one_of(*OPTIMIZERS),
     median=one_of(*MEDIANS), credit=one_of('none', 'tvrl'), credit_granularity=one_of(*GRANULARITIES),
     kl_update=one_of('step', 'backward'), prompt_noise=one_of('fresh', 'fixed'),
-    init_from=one_of('scratch', 'resume'), attention=one_of(*ATTENTIONS), reward_model=one_of('videoalign', 'toy'),
+    init_from=one_of('auto', 'scratch', 'resume'), attention=one_of(*ATTENTIONS), reward_model=one_of('videoalign', 'toy'),
     attention_backend=((lambda v: v in BACKENDS), "a diffusers attention backend: 'native', '_native_flash', "
                        "'_native_cudnn', '_native_efficient', '_native_math', 'flex', 'flash', '_flash_3', 'sage', "
                        "... (attention.BACKENDS)"),

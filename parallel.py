@@ -7,6 +7,14 @@ and the two collectives train.py's loop uses on small tensors.
 
 Layout: world = data parallel x sequence parallel; an sp group is sp_size consecutive ranks holding
 the same clips (sp.py), the data-parallel rank is rank // sp_size.
+
+Restarts (torchrun --max-restarts): torchrun's agent keeps one TCPStore for the whole job and hands
+every restarted worker group the same one (torch/distributed/elastic/rendezvous/
+dynamic_rendezvous.py builds it once; rendezvous.py adds no prefix): the new group would read the
+keys the last one left, a dead peer's address (gloo: connectFullMesh "Connection refused"; NCCL: its
+old unique id). Each restart meets under its own prefix; the restart count is the same on every
+worker of one node only, so across nodes restarts need torch's own fresh store per rendezvous
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, docs/restarts.md).
 """
 import os
 from datetime import timedelta
@@ -22,11 +30,24 @@ def init(device, timeout_minutes):
         raise SystemExit('no CUDA device: run with --device=cpu (the toy world: python train.py config/toy.py)')
     if 'RANK' not in os.environ:
         return False, 0, 1, device
-    dist.init_process_group('nccl' if device == 'cuda' else 'gloo', timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    dist.init_process_group('nccl' if device == 'cuda' else 'gloo', timeout=timeout, store=_store(timeout),
+                            rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
     if device == 'cuda':
         device = f'cuda:{int(os.environ["LOCAL_RANK"])}'
         torch.cuda.set_device(device)
     return True, dist.get_rank(), dist.get_world_size(), device
+
+
+def _store(timeout):
+    # None: torch's env:// store, new at every start; else torchrun's one store, a prefix per restart
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    if int(os.environ.get('GROUP_WORLD_SIZE', 1)) > 1 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)):
+        raise SystemExit('torchrun --max-restarts across nodes: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for '
+                         'every torchrun (a restarted group would meet in the last one\'s store; docs/restarts.md)')
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f'restart_{os.environ["TORCHELASTIC_RESTART_COUNT"]}/default_pg', store)
 
 
 def gather(t, group=None):

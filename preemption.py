@@ -11,6 +11,8 @@ ranks agree through one all-reduce, and saves the last finished iteration (check
 Where this differs from a plain "save at the end of the iteration": the cut iteration is redone on
 resume (bitwise: every random draw is a function of (seed, iteration, clip)); after an iteration's
 first optimizer step (updates_per_iter > 1) the iteration finishes first, as the weights have moved.
+A stop that finds a peer gone (torchrun SIGTERMs the survivors of a worker that died, to restart the
+group) saves nothing and exits at once: the restart resumes from the last published checkpoint.
 Tested by: python -m pytest tests/test_preemption.py (2 ranks, SIGTERM mid-update and mid-rollout).
 """
 import copy
@@ -20,6 +22,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from checkpoint import _barrier
 
@@ -54,8 +57,20 @@ class Preemption:
         if not dist.is_initialized():
             return self.flag
         t = torch.tensor([float(self.flag)], device=device or self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        except RuntimeError as e:  # a peer died (gloo: "Connection closed by peer"): no collective
+            if not self.flag:      # can complete, so no checkpoint; the last published one stays
+                raise
+            self.gone(e)
         return t.item() > 0  # on a GPU a sync, once per forward of seconds
+
+    def gone(self, e):
+        """The stop cannot complete (a peer died, or the save failed): exit at once, nothing published."""
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        print(f'rank {self.rank}: SIGTERM, but the stop failed ({why}): exit without a checkpoint; the '
+              f'last published one stays', flush=True)
+        os._exit(128 + signal.SIGTERM)
 
     def begin(self, save, *stateful):
         """From here to stepped(), a stop calls save() (a collective checkpoint of the last finished
@@ -84,9 +99,12 @@ class Preemption:
                 o.update(state)
             else:
                 o.load_state_dict(state)
-        path = self.save()
+        try:
+            path = self.save()
+        except (RuntimeError, CheckpointException) as e:  # a peer died during the save: not published
+            self.gone(e)
         if self.rank == 0:
-            print(f'preempted: {path} published; resume with --init_from=resume', flush=True)
+            print(f'preempted: {path} published; the same command continues', flush=True)
         _barrier()
         sys.stdout.flush()
         sys.stderr.flush()

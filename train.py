@@ -8,15 +8,16 @@ paper and the released code, each with the switch that restores it: docs/method.
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
     torchrun --nproc_per_node=8 train.py                   # HunyuanVideo 1.5 480p + VideoAlign
     python train.py config/toy.py --sampler=flow --kl_strategy=none    # a baseline: one constant
-    python train.py config/toy.py --init_from=resume       # from out_dir's newest intact checkpoint
+    python train.py config/toy.py --max_iters=80           # the same command continues out_dir's run
 
 One iteration: G rollouts of each prompt with the SDE, keeping every step's latent, mean and
 log-prob; rewards of the decoded clips; advantages within each group; then every trained step of
 every clip is one term of the objective (step_loss), one optimizer step per rollout batch; the
 anchor and lambda_KL move once per optimizer step. Settings are the constants below (the paper's
 released defaults); config files and --key=value override them (configurator.py). Checkpoints
-are sharded and resume at any world size (checkpoint.py); SIGTERM saves and exits 0 at the next
-forward (preemption.py); the last checkpoint is exported as a diffusers transformer.
+are sharded and resume at any world size (checkpoint.py); the same command continues the run in
+out_dir, and no start destroys one (rundir.py); SIGTERM saves and exits 0 at the next forward
+(preemption.py); the last checkpoint is exported as a diffusers transformer.
 """
 import gc
 import json
@@ -32,6 +33,7 @@ from tqdm import tqdm
 import checkpoint
 import parallel
 import prompt_cache
+import rundir
 import sde
 import sp
 from configurator import configure
@@ -49,7 +51,8 @@ from trust_region import Anchor, KLController, gaussian_kl
 # ----------------------------------------------------------------------------- settings
 # I/O
 out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, prompt-embedding cache
-init_from = 'scratch'           # 'scratch' or 'resume' (the newest checkpoint in out_dir)
+init_from = 'auto'              # 'auto': continue out_dir's run, else a new one | 'scratch': a new
+                                # run only | 'resume': continue only (rundir.py)
 eval_every = 25                 # iterations between held-out evaluations (also at start and end)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
 eval_videos = 4                 # mp4 files written per evaluation
@@ -146,14 +149,10 @@ preemption = Preemption(rank, device)  # the first SIGTERM: a checkpoint at the 
 
 train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
 eval_list, _ = prompt_cache.read_prompts(eval_prompts)
+quiet = print if master else lambda m: None
+# out_dir locked for this run, and how it begins: from the checkpoints of the run it holds, or at 0
+ckpts, history = rundir.claim(config, master, log=quiet)
 if master:
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, '.write_test'), 'w') as f:
-            f.write('ok')
-        os.remove(os.path.join(out_dir, '.write_test'))
-    except OSError as e:
-        raise SystemExit(f'out_dir {out_dir!r} is not writable: {e}')
     print(json.dumps(config, indent=1))
 
 # ----------------------------------------------------------------------------- models
@@ -161,8 +160,6 @@ if master:
 # cache (prompt_cache.py), the encoders freed before the policy loads; every rank memory-maps it
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
                                  set(train_list) | set(eval_list) | {negative_prompt}, device, master, ddp)
-quiet = print if master else lambda m: None
-ckpts = checkpoint.candidates(out_dir, log=quiet) if init_from == 'resume' else []
 fam = family(model)  # the model family's file (hunyuan15.py, toy.py, ...): model.py's interface
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
                      attention=attention, backend=attention_backend)
@@ -329,8 +326,7 @@ def held_out(iter_num):
 
 # ----------------------------------------------------------------------------- training loop
 if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
-    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-        json.dump(config, f, indent=1)
+    rundir.record(out_dir, history, config, iter_num, world)  # config.json: what changed at which start
     checkpoint.forget_after(out_dir, iter_num, eval_owed)  # a crash leaves each iteration logged once
 if wandb_log and master:
     try:
@@ -470,7 +466,7 @@ while iter_num < max_iters:
         save_checkpoint()
     if stop:
         if master:
-            print(f'preempted: checkpoint of iteration {iter_num} written; resume with --init_from=resume')
+            print(f'preempted: checkpoint of iteration {iter_num} written; the same command continues')
         break
 
 if master and export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format

@@ -1,0 +1,198 @@
+"""
+One run's directory (out_dir): what is in it, the lock, the history of its settings, and whether a
+start continues the run it holds.
+
+    python train.py config/toy.py                     # a new run, or the run out_dir holds, continued
+    python train.py config/toy.py --max_iters=80      # the same run, trained on to iteration 80
+    python train.py config/toy.py --init_from=scratch --out_dir=out-2   # a new run, only where none is
+
+init_from='auto' (the default) continues the run out_dir holds from its newest intact checkpoint,
+and starts a new one where out_dir holds none: after a crash, a preemption, a torchrun restart or a
+resubmitted job the same command continues. Nothing of a run is destroyed by another start:
+- 'scratch' into an out_dir that holds a run (checkpoints, a log, eval videos) stops with one line;
+- a start whose settings change the run (every setting not in SAFE) names each difference and
+  stops; a SAFE one is taken, and config.json keeps what changed at which iteration;
+- a --max_iters below the run's iteration stops (a run does not go back);
+- one run per out_dir at a time: rank 0 holds an flock on out_dir/.lock for the life of its process
+  (the kernel releases it when the process dies, SIGKILL included); a second start stops.
+A run with a log but no checkpoint yet starts again at iteration 0: every random draw is a function
+of (seed, iteration, clip), so the same settings redo the same iterations.
+
+    <out_dir>/.lock         the lock; its text names the holder (pid, host, since)
+    <out_dir>/config.json   {"settings": those in force, "starts": [{"iter", "world", "time",
+                             "changed": {setting: [before, after]}, "restart"}, ...]}
+
+Tested by: python -m pytest tests/test_rundir.py
+"""
+import fcntl
+import json
+import os
+import socket
+import time
+
+import torch.distributed as dist
+
+import checkpoint
+
+LOCK = '.lock'
+CONFIG = 'config.json'
+# Settings a continued run may change: this start's own, when and how it evaluates, saves and logs
+# (evaluation reads the policy, never trains it), and how the same computation is laid out (ranks,
+# batches, device, attention kernel: the same math). Every other setting defines the run: the data,
+# the model and the shape of the checkpoint's state, the sampler, the objective and its trust
+# region, the reward, the seeds. learning_rate and weight_decay are among them because the
+# checkpoint restores the optimizer's own hyperparameters: a new value would be silently ignored.
+SAFE = frozenset((
+    'out_dir', 'init_from', 'max_iters',
+    'eval_every', 'eval_samples', 'eval_videos', 'eval_steps', 'eval_prompts', 'eval_metrics',
+    'clip_dir', 'pickscore_dir', 'save_every', 'keep_checkpoints', 'export_dtype', 'diag_every',
+    'wandb_log', 'wandb_project',
+    'rollout_batch', 'train_batch', 'gradient_checkpointing', 'attention', 'device', 'sp_size',
+    'dist_timeout',
+))
+
+_held = None  # rank 0: the open lock file; the flock lasts as long as this process holds it open
+
+
+def claim(config, master, log=print):
+    """Collective. Lock out_dir (rank 0) and decide how this start begins: returns (checkpoints to
+    resume from, newest first, [] for iteration 0; the run's config.json history, None for a new
+    run). Stops with one line (SystemExit on every rank) where starting would harm the run held."""
+    out_dir, init_from = config['out_dir'], config['init_from']
+    error = None
+    if master:
+        try:
+            _lock(out_dir)
+        except SystemExit as e:
+            error = str(e)
+    if dist.is_initialized():  # every rank stops with rank 0's line
+        box = [error]
+        dist.broadcast_object_list(box)
+        error = box[0]
+    if error:
+        raise SystemExit(error)
+    what = holds(out_dir)
+    if not what and init_from != 'resume':
+        _own(out_dir, master)
+        return [], None
+    if init_from == 'scratch':
+        again = ' (a torchrun restart: init_from=auto continues it)' \
+            if int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) else ''
+        raise SystemExit(f'out_dir {out_dir!r} holds a run ({"; ".join(what)}){again}: nothing in it '
+                         f'was changed. Continue it with init_from=auto (the default), or start a new '
+                         f'run with another --out_dir')
+    ckpts = checkpoint.candidates(out_dir, log=log) if checkpoint.found(out_dir) or init_from == 'resume' else []
+    loop = checkpoint.read_loop(ckpts[0]) if ckpts else None  # the state this start continues
+    history = history_of(out_dir, loop and loop['config'])
+    if history is None:  # a log, no checkpoint, no config.json: nothing says which run it is
+        raise SystemExit(f'out_dir {out_dir!r} holds a run ({"; ".join(what)}) but no checkpoint and no '
+                         f'{CONFIG}: its settings are unknown. Start a new run with another --out_dir')
+    ran = loop['config'] if loop else history['settings']
+    differ = [k for k in sorted(set(ran) & set(config)) if k not in SAFE and _plain(ran[k]) != _plain(config[k])]
+    if differ:
+        raise SystemExit(f'out_dir {out_dir!r} holds a run with other settings: '
+                         + ', '.join(f'{k} {ran[k]!r} (the run) vs {config[k]!r}' for k in differ)
+                         + '. They define the run: continue it with its values, or start a new run with '
+                           'another --out_dir')
+    at = loop['iter_num'] if loop else 0
+    if config['max_iters'] < at:
+        raise SystemExit(f'out_dir {out_dir!r} holds a run at iteration {at} ({os.path.basename(ckpts[0])}), '
+                         f'past max_iters={config["max_iters"]}: a run does not go back. A larger '
+                         f'--max_iters trains it on; another --out_dir starts a new run')
+    if not ckpts:
+        log(f'{out_dir} holds a run without a checkpoint ({"; ".join(what)}): it starts again at '
+            f'iteration 0, redoing the same iterations')
+    _own(out_dir, master)
+    return ckpts, history
+
+
+def _lock(out_dir):
+    # rank 0: create out_dir and take its lock without waiting; the holder's text is written only
+    # once the start goes ahead (_own), so a start that stops leaves the file as it was
+    global _held
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(os.path.join(out_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec
+    except OSError as e:
+        raise SystemExit(f'out_dir {out_dir!r} is not writable: {e}')
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors='replace').strip() or 'a process'
+        os.close(fd)
+        raise SystemExit(f'out_dir {out_dir!r} is in use by another run ({holder}): wait for it to '
+                         f'end, or use another --out_dir')
+    except OSError as e:  # a filesystem without locks (some network mounts)
+        print(f'warning: out_dir {out_dir!r} cannot be locked ({e}): nothing stops a second run in it')
+    _held = fd
+
+
+def _own(out_dir, master):
+    if master and _held is not None:
+        os.ftruncate(_held, 0)
+        os.pwrite(_held, f'pid {os.getpid()} on {socket.gethostname()} since '
+                         f'{time.strftime("%Y-%m-%d %H:%M:%S")}\n'.encode(), 0)
+
+
+def _plain(v):
+    return json.loads(json.dumps(v))  # as stored in JSON: a tuple is a list
+
+
+def log_rows(out_dir):
+    """metrics.jsonl's rows; a line cut short by a kill mid-write (only the last can be) is left out."""
+    path = os.path.join(out_dir, 'metrics.jsonl')
+    rows = []
+    for line in open(path) if os.path.exists(path) else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def holds(out_dir):
+    """What of a run out_dir holds, in words ([] for none): its checkpoints, its log, its eval videos
+    (a prompt cache, a config.json or a lock alone are no run: they are rebuilt, or rewritten)."""
+    what = []
+    ckpts = checkpoint.found(out_dir)
+    if ckpts:
+        what.append(f'checkpoints {", ".join(ckpts)}')
+    rows = log_rows(out_dir)
+    if rows:
+        what.append(f'metrics.jsonl: {len(rows)} lines up to iteration {max(r["iter"] for r in rows)}')
+    videos = os.path.join(out_dir, 'eval')
+    n = len([v for v in os.listdir(videos) if v.startswith('iter')]) if os.path.isdir(videos) else 0
+    if n:
+        what.append(f'{n} eval videos')
+    return what
+
+
+def history_of(out_dir, settings=None):
+    """The run's config.json ({"settings", "starts"}); from a checkpoint's settings where there is
+    none (or one of a single dict of settings); None where neither says anything."""
+    try:
+        with open(os.path.join(out_dir, CONFIG)) as f:
+            h = json.load(f)
+    except (OSError, ValueError):
+        h = None
+    if isinstance(h, dict) and not ('settings' in h and 'starts' in h):
+        h = dict(settings=h, starts=[])
+    if h is None and settings is not None:
+        h = dict(settings=settings, starts=[])
+    return h
+
+
+def record(out_dir, history, config, iter_num, world):
+    """Rank 0, once the start has loaded: config.json gains this start (iteration, world size, time,
+    the settings changed since the last one), written by rename. history: claim()'s (None: new run)."""
+    h = history or dict(settings=config, starts=[])
+    start = dict(iter=iter_num, world=world, time=time.strftime('%Y-%m-%d %H:%M:%S'))
+    changed = {k: [h['settings'].get(k), v] for k, v in config.items() if _plain(h['settings'].get(k)) != _plain(v)}
+    if changed and history is not None:
+        start['changed'] = changed
+    if int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)):  # a torchrun restart of the worker group
+        start['restart'] = int(os.environ['TORCHELASTIC_RESTART_COUNT'])
+    path = os.path.join(out_dir, CONFIG)
+    with open(path + '.tmp', 'w') as f:
+        json.dump(dict(settings=config, starts=h['starts'] + [start]), f, indent=1)
+    os.replace(path + '.tmp', path)
