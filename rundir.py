@@ -102,6 +102,9 @@ def claim(config, master, log=print):
     if not ckpts:
         log(f'{out_dir} holds a run without a checkpoint ({"; ".join(what)}): it starts again at '
             f'iteration 0, redoing the same iterations')
+    elif at == config['max_iters']:
+        log(f'the run in {out_dir} is complete at iteration {at} (max_iters): nothing to train. A larger '
+            f'--max_iters trains it on; another --out_dir starts a new run')
     _own(out_dir, master)
     return ckpts, history
 

@@ -7,8 +7,8 @@ paper and the released code, each with the switch that restores it: docs/method.
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
     torchrun --nproc_per_node=8 train.py                   # HunyuanVideo 1.5 480p + VideoAlign
-    python train.py config/toy.py --sampler=flow --kl_strategy=none    # a baseline: one constant
-    python train.py config/toy.py --max_iters=80           # the same command continues out_dir's run
+    python train.py config/toy.py --sampler=flow --kl_strategy=none --out_dir=out-flow  # a baseline
+    python train.py config/toy.py --max_iters=80           # again: out_dir's run continues to 80
 
 One iteration: G rollouts of each prompt with the SDE, keeping every step's latent, mean and
 log-prob; rewards of the decoded clips; advantages within each group; then every trained step of

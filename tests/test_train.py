@@ -1,7 +1,9 @@
 """
 train.py and sample.py end to end, as a user runs them (subprocesses):
 - two toy iterations in one process and under torchrun --nproc_per_node=2 (FSDP2, gloo): finite
-  losses, rewards logged, a checkpoint written;
+  losses, rewards logged, a checkpoint written; the same under torchrun --max-restarts=3 with rank 1
+  SIGKILLed mid-run: the restarted group continues from the last checkpoint to the same weights,
+  bitwise, and logs each iteration once;
 - resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process
   (checkpoints are sharded DCP directories, read here with checkpoint.read_tensors);
 - the real HunyuanVideo 1.5 path with tiny random diffusers parts and the tiny VideoAlign of the
@@ -16,8 +18,10 @@ train.py and sample.py end to end, as a user runs them (subprocesses):
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import imageio.v3 as iio
 import pytest
@@ -89,6 +93,55 @@ def test_toy_fsdp_two_ranks(tmp_path):
     assert 'eval composite before' in p.stdout
     # one optimizer step per rollout batch: theta == theta_old in the update, the ratio is 1 up to float noise
     assert all(r['ratio_max'] < 1e-5 and r['clipfrac'] == 0 for r in rows), rows
+    # the same run, rank 1 SIGKILLed once ckpt_000001 is published: torchrun restarts the group, and the same
+    # command continues from it (init_from=auto). Rank 0 of the restarted group starts 2 s late: without a
+    # store prefix per restart (parallel.py) rank 1 reads the dead group's address and gloo's connect fails
+    el = str(tmp_path / 'elastic')
+    log = restarted(SMALL + [f'--out_dir={el}', '--max_iters=2', '--optimizer=muon', '--save_every=1'], el, tmp_path)
+    assert f'resumed from {el}/ckpt_000001 at iteration 1' in log, log[-3000:]
+    wa, wb = weights(out), weights(el)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))}  # noqa: E731
+    assert [drop(r) for r in metrics(el)] == [drop(r) for r in metrics(out)]  # each iteration once
+    assert [s.get('restart') for s in json.load(open(os.path.join(el, 'config.json')))['starts']] == [None, 1]
+
+
+# a restarted worker group's rank 0 arrives 2 s after the others (an import, a slow node)
+LATE = """import os, runpy, sys, time
+if int(os.environ['TORCHELASTIC_RESTART_COUNT']) and os.environ['RANK'] == '0':
+    time.sleep(2)
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as if train.py were run itself
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def restarted(args, out, tmp):
+    """torchrun --max-restarts=3 of args (each worker through LATE); rank 1's worker SIGKILLed once
+    out/latest names ckpt_000001; returns torchrun's output (its exit status 0 asserted)."""
+    (tmp / 'late.py').write_text(LATE)
+    env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
+    with open(tmp / 'torchrun.txt', 'w') as f:  # a file, not a pipe: nothing blocks on a full pipe
+        p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                              '--max-restarts=3', str(tmp / 'late.py')] + args, cwd=ROOT, env=env,
+                             stdout=f, stderr=subprocess.STDOUT)
+    try:
+        latest, t0 = os.path.join(out, 'latest'), time.time()
+        while not (os.path.exists(latest) and open(latest).read() == 'ckpt_000001'):
+            assert p.poll() is None and time.time() - t0 < 300, 'ended or hung before ckpt_000001'
+            time.sleep(0.05)
+        workers = [int(c) for c in open(f'/proc/{p.pid}/task/{p.pid}/children').read().split()]  # torchrun's
+        rank = {w: dict(kv.split(b'=', 1) for kv in open(f'/proc/{w}/environ', 'rb').read().split(b'\0')
+                        if b'=' in kv)[b'RANK'] for w in workers}
+        os.kill(next(w for w in workers if rank[w] == b'1'), signal.SIGKILL)
+        p.wait(timeout=300)
+    finally:
+        if p.poll() is None:  # hung: torchrun SIGTERMs its workers, SIGKILLs them 30 s later
+            p.terminate()
+            p.wait(timeout=120)
+    log = (tmp / 'torchrun.txt').read_text()
+    assert p.returncode == 0, log[-5000:]
+    return log
 
 
 def test_ratio_max_logged_against_the_clip(tmp_path):
@@ -103,7 +156,7 @@ def test_ratio_max_logged_against_the_clip(tmp_path):
 def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
     out = str(tmp_path / 'bad')
     run(SMALL + [f'--out_dir={out}', '--max_iters=2'])
-    before = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
+    before = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out) if f != '.lock'}  # rundir.py's
     empty = tmp_path / 'empty.txt'
     empty.write_text('\n')
     latin1 = tmp_path / 'latin1.txt'
@@ -117,7 +170,8 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
              (['--train_prompts=nope.txt'], 'not found'),
              (['--no_such_key=1'], "unknown setting 'no_such_key'"),
              (['--eta=fast'], 'eta must be float'),
-             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'], 'hf download'),
+             (['--model=/nonexistent/HunyuanVideo', '--reward_model=videoalign'],  # test_released_config: hf download
+              "holds a run with other settings: model 'assets/toy' (the run) vs '/nonexistent/HunyuanVideo'"),
              (['--eval_metrics=clipscore', '--clip_dir=/nonexistent/clip'],
               'hf download openai/clip-vit-large-patch14 --local-dir /nonexistent/clip')]
     for args, message in cases:
@@ -126,7 +180,7 @@ def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
         assert 'Traceback' not in p.stderr, (args, p.stderr[-2000:])  # one clear line
     p = run(SMALL + ['--prompts_per_iter=3', '--group_size=3', f'--out_dir={tmp_path / "odd"}'], torchrun=True, check=False)
     assert p.returncode != 0 and 'divisible by the world size' in p.stdout + p.stderr
-    after = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out)}
+    after = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out) if f != '.lock'}
     assert before == after
 
 
