@@ -131,8 +131,9 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
         with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
             f.write(name)
         os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
-        # rotation by iteration among those up to this one, which stays (so `latest` names one that
-        # exists); a later one (damaged: the run resumed before it) stays until that iteration is saved again
+        # rotation by iteration among those up to this one, which stays (so `latest` names one
+        # that exists); a later one (damaged: the run resumed before it) stays until its
+        # iteration is saved again
         older = [d for d in found(out_dir) if _iteration(d) < _iteration(name)]
         for d in older[:max(0, len(older) - (keep - 1))]:
             shutil.rmtree(os.path.join(out_dir, d))
@@ -153,8 +154,9 @@ def _iteration(d):
 
 
 def found(out_dir):
-    """The checkpoint directories of out_dir by iteration, oldest first (not by name: 1000000 > 999999)."""
-    return sorted((d for d in os.listdir(out_dir) if _is_ckpt(d)), key=_iteration) if os.path.isdir(out_dir) else []
+    """The checkpoint directories of out_dir by iteration, oldest first (by name 1000000 < 999999)."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted((d for d in names if _is_ckpt(d)), key=_iteration)
 
 
 def _crc(path):

@@ -31,7 +31,8 @@ def init(device, timeout_minutes):
     if 'RANK' not in os.environ:
         return False, 0, 1, device
     timeout = timedelta(minutes=timeout_minutes)
-    dist.init_process_group('nccl' if device == 'cuda' else 'gloo', timeout=timeout, store=_store(timeout),
+    dist.init_process_group('nccl' if device == 'cuda' else 'gloo', timeout=timeout,
+                            store=_store(timeout),  # a restart's own keys (see the docstring)
                             rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
     if device == 'cuda':
         device = f'cuda:{int(os.environ["LOCAL_RANK"])}'
@@ -41,13 +42,15 @@ def init(device, timeout_minutes):
 
 def _store(timeout):
     # None: torch's env:// store, new at every start; else torchrun's one store, a prefix per restart
-    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+    env = os.environ
+    if env.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
-    if int(os.environ.get('GROUP_WORLD_SIZE', 1)) > 1 and int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)):
-        raise SystemExit('torchrun --max-restarts across nodes: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for '
-                         'every torchrun (a restarted group would meet in the last one\'s store; docs/restarts.md)')
-    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f'restart_{os.environ["TORCHELASTIC_RESTART_COUNT"]}/default_pg', store)
+    if int(env.get('GROUP_WORLD_SIZE', 1)) > 1 and int(env.get('TORCHELASTIC_MAX_RESTARTS', 0)):
+        raise SystemExit('torchrun --max-restarts across nodes: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 '
+                         'for every torchrun (a restarted group would meet in the last one\'s store; '
+                         'docs/restarts.md)')
+    store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f'restart_{env["TORCHELASTIC_RESTART_COUNT"]}/default_pg', store)
 
 
 def gather(t, group=None):

@@ -66,7 +66,7 @@ class Preemption:
         return t.item() > 0  # on a GPU a sync, once per forward of seconds
 
     def gone(self, e):
-        """The stop cannot complete (a peer died, or the save failed): exit at once, nothing published."""
+        """The stop cannot complete (a peer died, or the save failed): exit at once, unpublished."""
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         print(f'rank {self.rank}: SIGTERM, but the stop failed ({why}): exit without a checkpoint; the '
               f'last published one stays', flush=True)

@@ -81,14 +81,16 @@ def claim(config, master, log=print):
         raise SystemExit(f'out_dir {out_dir!r} holds a run ({"; ".join(what)}){again}: nothing in it '
                          f'was changed. Continue it with init_from=auto (the default), or start a new '
                          f'run with another --out_dir')
-    ckpts = checkpoint.candidates(out_dir, log=log) if checkpoint.found(out_dir) or init_from == 'resume' else []
+    ckpts = checkpoint.candidates(out_dir, log=log) if checkpoint.found(out_dir) or init_from == 'resume' \
+        else []  # newest first, the first verified intact (collective: each rank checks a share)
     loop = checkpoint.read_loop(ckpts[0]) if ckpts else None  # the state this start continues
     history = history_of(out_dir, loop and loop['config'])
     if history is None:  # a log, no checkpoint, no config.json: nothing says which run it is
         raise SystemExit(f'out_dir {out_dir!r} holds a run ({"; ".join(what)}) but no checkpoint and no '
                          f'{CONFIG}: its settings are unknown. Start a new run with another --out_dir')
     ran = loop['config'] if loop else history['settings']
-    differ = [k for k in sorted(set(ran) & set(config)) if k not in SAFE and _plain(ran[k]) != _plain(config[k])]
+    differ = [k for k in sorted(set(ran) & set(config))  # a setting the run's code had not: not compared
+              if k not in SAFE and _plain(ran[k]) != _plain(config[k])]
     if differ:
         raise SystemExit(f'out_dir {out_dir!r} holds a run with other settings: '
                          + ', '.join(f'{k} {ran[k]!r} (the run) vs {config[k]!r}' for k in differ)
@@ -96,8 +98,8 @@ def claim(config, master, log=print):
                            'another --out_dir')
     at = loop['iter_num'] if loop else 0
     if config['max_iters'] < at:
-        raise SystemExit(f'out_dir {out_dir!r} holds a run at iteration {at} ({os.path.basename(ckpts[0])}), '
-                         f'past max_iters={config["max_iters"]}: a run does not go back. A larger '
+        raise SystemExit(f'out_dir {out_dir!r} holds a run at iteration {at} ({os.path.basename(ckpts[0])}),'
+                         f' past max_iters={config["max_iters"]}: a run does not go back. A larger '
                          f'--max_iters trains it on; another --out_dir starts a new run')
     if not ckpts:
         log(f'{out_dir} holds a run without a checkpoint ({"; ".join(what)}): it starts again at '
@@ -190,7 +192,8 @@ def record(out_dir, history, config, iter_num, world):
     the settings changed since the last one), written by rename. history: claim()'s (None: new run)."""
     h = history or dict(settings=config, starts=[])
     start = dict(iter=iter_num, world=world, time=time.strftime('%Y-%m-%d %H:%M:%S'))
-    changed = {k: [h['settings'].get(k), v] for k, v in config.items() if _plain(h['settings'].get(k)) != _plain(v)}
+    changed = {k: [h['settings'].get(k), v] for k, v in config.items()
+               if _plain(h['settings'].get(k)) != _plain(v)}
     if changed and history is not None:
         start['changed'] = changed
     if int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)):  # a torchrun restart of the worker group

@@ -8,7 +8,9 @@ between SIGTERM and SIGKILL:
 - SIGTERM mid-rollout of the resumed run: exit 0 within 20 s, that checkpoint left as it was (not
   rewritten);
 - the run resumed to the end equals an uninterrupted run bitwise: weights, optimizer state,
-  controller, logged figures.
+  controller, logged figures;
+- a SIGTERM that finds a peer dead (torchrun stopping the survivors to restart the group) exits at
+  once without a checkpoint, one line, no traceback.
 Each rank's exit status is read through a small wrapper between torchrun and train.py (torchrun's
 own status is non-zero after a SIGTERM whatever its workers did).
 Without the fix (the iteration finishes first) torchrun SIGKILLs both ranks 30 s after the SIGTERM.
@@ -119,6 +121,31 @@ def test_sigterm_mid_update_and_mid_rollout_resume_bitwise(tmp_path):
     assert la['controller'] == lb['controller'] and la['controller']['updates'] > 0
     ra, rb = ([{k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))} for r in metrics(d)] for d in (ref, out))
     assert ra == rb, (ra, rb)
+
+
+def test_a_stop_with_a_peer_gone_exits_without_a_checkpoint():
+    """Rank 1 dies; rank 0 gets SIGTERM (torchrun stopping the survivors): the stop's first collective
+    fails, and rank 0 exits at once with 128 + 15 and one line. Without that it would raise through
+    the dead peer with a traceback (gloo) or wait for it (NCCL) instead of dying promptly."""
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    code = ('import datetime, os, signal, sys, time; sys.path.insert(0, {root!r})\n'
+            'import torch.distributed as dist; from preemption import Preemption\n'
+            'rank = int(sys.argv[1])\n'
+            'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2,\n'
+            '                        timeout=datetime.timedelta(seconds=60))\n'
+            'p = Preemption(rank); p.begin(lambda: print("saved", flush=True))\n'
+            'if rank == 1: os._exit(0)\n'
+            'time.sleep(1); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n'
+            'p.point(); print("still here")').format(root=ROOT, port=port)
+    ps = [subprocess.Popen([sys.executable, '-c', code, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True) for r in (0, 1)]
+    out, err = ps[0].communicate(timeout=120)
+    ps[1].wait(timeout=60)
+    assert ps[0].returncode == 128 + signal.SIGTERM and 'rank 0: SIGTERM, but the stop failed' in out, (out, err)
+    assert 'saved' not in out and 'still here' not in out and 'Traceback' not in err, (out, err)
 
 
 def test_second_sigterm_or_sigint_exits_at_once(tmp_path):
