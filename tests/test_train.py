@@ -132,7 +132,7 @@ def restarted(args, out, tmp):
             time.sleep(0.05)
         workers = [int(c) for c in open(f'/proc/{p.pid}/task/{p.pid}/children').read().split()]  # torchrun's
         rank = {w: dict(kv.split(b'=', 1) for kv in open(f'/proc/{w}/environ', 'rb').read().split(b'\0')
-                        if b'=' in kv)[b'RANK'] for w in workers}
+                        if b'=' in kv).get(b'RANK') for w in workers}
         os.kill(next(w for w in workers if rank[w] == b'1'), signal.SIGKILL)
         p.wait(timeout=300)
     finally:
