@@ -47,8 +47,8 @@ SAFE = frozenset((
     'eval_every', 'eval_samples', 'eval_videos', 'eval_steps', 'eval_prompts', 'eval_metrics',
     'clip_dir', 'pickscore_dir', 'save_every', 'keep_checkpoints', 'export_dtype', 'diag_every',
     'wandb_log', 'wandb_project',
-    'rollout_batch', 'train_batch', 'gradient_checkpointing', 'attention', 'device', 'sp_size',
-    'dist_timeout',
+    'rollout_batch', 'train_batch', 'gradient_checkpointing', 'attention', 'attention_backend', 'device',
+    'sp_size', 'dist_timeout',
 ))
 
 _held = None  # rank 0: the open lock file; the flock lasts as long as this process holds it open
