@@ -6,16 +6,18 @@ Training state that scales with the model: sharded checkpoints with torch.distri
         __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
         .metadata                     DCP's index of the shards (which rank wrote which slice)
         loop.json                     iteration, optimizer steps, lambda_KL controller, optimizer
-                                      hyperparameters, config, and every file's size and crc32
+                                      hyperparameters, config, and every rank's files' sizes and crc32
     <out_dir>/latest                  the name of the newest published checkpoint
     (the keep_checkpoints newest by iteration stay, the one just published always among them)
 
     python checkpoint.py export out-toy out-toy/export              # the newest checkpoint of a run
     python checkpoint.py export out-toy/ckpt_000020 DEST --dtype=float32
 
-A save is a collective: every rank writes only its own shards (DCP stages one tensor at a time),
-then rank 0 writes loop.json, renames the temporary directory into place and updates `latest`
-(atomic rename): a crash at any moment leaves the last published checkpoint intact. A load builds
+A save is a collective: every rank writes only its own shards (DCP stages one tensor at a time) and
+reports their names, sizes and crc32; rank 0 verifies that it sees all of them, then writes
+loop.json, renames the temporary directory into place and updates `latest` (atomic rename): a crash
+at any moment leaves the last published checkpoint intact, and a shard rank 0 cannot see (a node
+writing to a disk of its own) stops the run instead of publishing a checkpoint without it. A load builds
 and shards the policy first and reads into it, each rank only its slices, so a checkpoint saved on
 N ranks resumes on M (DCP reshards). Seeds need no state: every random draw of train.py is a
 function of (seed, iteration, clip), so the iteration number is the whole RNG state.
@@ -33,6 +35,7 @@ Where this differs from a plain dcp.save of everything, and why:
 
 Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py (preemption.py: tests/test_preemption.py)
 """
+import contextlib
 import json
 import os
 import pickle
@@ -104,25 +107,49 @@ def _tensor_state(model, optimizers):
 def save(path, model, optimizers, anchor_state, loop, keep=2):
     """Collective: write checkpoint directory `path` (<out_dir>/ckpt_NNNNNN) and publish it; returns
     path. anchor_state: name -> tensor (Anchor.state_dict()); loop: JSON-able small state.
-    A path this process already published or resumed from holds this very state (a preemption right
-    after a save or a resume: nothing has stepped since, see preemption.py): it is not rewritten (its
-    loop.json may owe an evaluation that has run since: it runs again, logged once)."""
+    Published only once rank 0 has verified every rank's shards: each rank reports the files it wrote
+    (DCP's write results, not a directory listing) with their sizes and crc32, rank 0 finds each of
+    them by name at the reported size and checks that they are every file DCP's .metadata refers to;
+    else every rank stops with one line, removing what it wrote, and the last published checkpoint
+    stays. A path this process already published or resumed from holds this very state (a preemption
+    right after a save or a resume: nothing has stepped since, see preemption.py): it is not rewritten
+    (its loop.json may owe an evaluation that has run since: it runs again, logged once)."""
     out_dir, name = os.path.split(os.path.abspath(path))
     if os.path.join(out_dir, name) in _published:  # the same on every rank: no collective needed
         return path
     tmp = os.path.join(out_dir, name + '.tmp')
     if _master():
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before publishing
+        for d in os.listdir(out_dir):  # saves that died before publishing (a rank died or hung mid-save)
+            if d.startswith(PREFIX) and d.endswith('.tmp'):
+                shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
     opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
     fresh = not any(o.state for o in opts)  # before the first optimizer step: no state to save (DCP
     # would make some with a zero-lr step, and a resumed AdamW would count one step too many)
     optim_state, groups = ({}, []) if fresh else _tensor_state(model, optimizers)
-    dcp.save({'model': _trainable_weights(model), 'optim': optim_state, 'anchor': dict(anchor_state)},
-             checkpoint_id=tmp)  # every rank writes __<rank>_0.distcp; rank 0 also .metadata
-    _barrier()
-    files = _checksums(tmp)  # each rank hashes a 1/N share of the files: [size, crc32] by name
+    writer = _Writer(tmp)  # every rank writes __<rank>_0.distcp; rank 0 also .metadata
+    md = dcp.save({'model': _trainable_weights(model), 'optim': optim_state, 'anchor': dict(anchor_state)},
+                  storage_writer=writer)
+    mine = writer.written + ['.metadata'] * _master()
+    mine = {f: [os.path.getsize(os.path.join(tmp, f)), _crc(os.path.join(tmp, f))] for f in mine}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    files = {f: v for part in _merge(mine, world) for f, v in part.items()}  # every rank's, by a collective
+    why = _unverified(tmp, files, md) if _master() else None
+    if dist.is_initialized():
+        box = [why]
+        dist.broadcast_object_list(box)  # rank 0's verdict, on every rank
+        why = box[0]
+    if why:
+        for f in mine:  # what this rank wrote, in its own view of out_dir (a node's own disk, say)
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(tmp, f))
+        with contextlib.suppress(OSError):
+            os.rmdir(tmp)  # empty on a disk of this node's own; rank 0's is removed below
+        if _master():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f'checkpoint {path} not published: {why} (out_dir must be on a filesystem all '
+                         'nodes share); the last published checkpoint is intact')
     if _master():
         with open(os.path.join(tmp, LOOP), 'w') as f:
             json.dump(dict(loop, param_groups=groups, files=files, optimizer_state=not fresh), f, indent=1)
@@ -140,6 +167,39 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
     _barrier()  # every rank returns once the checkpoint is published
     _published.add(os.path.join(out_dir, name))
     return path
+
+
+class _Writer(dcp.FileSystemWriter):
+    # DCP's file writer, remembering the files this rank wrote data to (its write results)
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)  # done when it returns: the writes are synchronous
+        self.written = sorted({r.storage_data.relative_path for r in fut.wait()})
+        return fut
+
+
+def _referenced(md):
+    # the data files DCP's .metadata points into (a rank with nothing to write points nowhere)
+    return {s.relative_path for s in md.storage_data.values()}
+
+
+def _unverified(tmp, files, md):
+    # rank 0: None if every file a rank reported is in rank 0's view of tmp at its size and they are
+    # all the files .metadata refers to; else why not (one line)
+    unreported = sorted(_referenced(md) - set(files))
+    if unreported:
+        return f'no rank reported writing {unreported[0]}'
+    for f, (size, _) in sorted(files.items()):
+        try:
+            seen = os.path.getsize(os.path.join(tmp, f))  # by name: a listing can be stale
+        except OSError:
+            return f'{f} (written by rank {_writer_rank(f)}) is not in rank 0\'s {tmp}'
+        if seen != size:
+            return f'{f} is {seen} bytes in rank 0\'s view, {size} were written'
+    return None
+
+
+def _writer_rank(f):
+    return f[2:].split('_')[0] if f.startswith('__') else '0'  # DCP's names: __<rank>_<n>.distcp
 
 
 _published = set()  # checkpoint paths this process wrote or resumed from (see save)
@@ -182,16 +242,11 @@ def _merge(part, world):
     return parts
 
 
-def _checksums(path):
-    mine, world = _share(os.listdir(path))
-    part = {f: [os.path.getsize(os.path.join(path, f)), _crc(os.path.join(path, f))] for f in mine}
-    return {k: v for p in _merge(part, world) for k, v in p.items()}
-
-
 def damage(path, collective=True):
-    """None if `path` is an intact checkpoint, else why not (one line). Collective under torchrun
-    (unless collective=False): every file's size and crc32 is checked once, by one rank (1/N of the
-    reading each)."""
+    """None if `path` is an intact checkpoint, else why not (one line): every file DCP's .metadata
+    points into is listed in loop.json, and every listed file (all ranks' shards) has its size and
+    crc32. Collective under torchrun (unless collective=False): each file is read once, by one rank
+    (1/N of the reading each)."""
     try:
         with open(os.path.join(path, LOOP)) as f:
             files = json.load(f)['files']
@@ -199,6 +254,12 @@ def damage(path, collective=True):
         return f'no {LOOP}'
     except (OSError, ValueError, KeyError) as e:
         return f'{LOOP} unreadable ({e})'
+    try:  # every file DCP's index points into must be listed (and so checked) in loop.json
+        unlisted = sorted(_referenced(_Reader(path).read_metadata()) - set(files))
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+        return f'.metadata unreadable ({type(e).__name__})'
+    if unlisted:
+        return f'{unlisted[0]} is not listed in {LOOP}'
     mine, world = _share(files, collective)
     why = None
     for f in mine:

@@ -82,6 +82,8 @@ RULES = dict(
     kl_target=number(0, lo_open=True), learning_rate=number(0, lo_open=True), weight_decay=number(0),
     grad_clip=number(0, lo_open=True), lora_rank=number(0), max_iters=number(0),
     sp_size=number(1),  # it must divide the world size and the heads (16; the toy's 3): train.py and sp.py check
+    shard_size=number(0, then=" (0: one node's ranks)"),  # it must divide the world size: parallel.py checks
+    dist_timeout=number(0, lo_open=True), solo_timeout=number(0, lo_open=True),
     # I/O
     eval_every=number(0), eval_samples=number(1), eval_videos=number(0), save_every=number(0),
     keep_checkpoints=number(1), diag_every=number(0), num_prompts=number(1),

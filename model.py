@@ -68,12 +68,22 @@ def load_transformer(path, device='cpu', meta=False, attention=None, backend=Non
     return net if meta else net.to(device)
 
 
+def transformer_config(path):
+    """The transformer's config.json of model directory `path` (sizes only, no weights read)."""
+    try:
+        with open(os.path.join(path, 'transformer', 'config.json')) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f'{path!r}: no readable transformer/config.json ({type(e).__name__}: {e})')
+
+
 def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base_dtype=None, attention=None,
-                backend=None):
+                backend=None, mesh=None):
     """The trainable transformer: LoRA adapters if lora_rank > 0, FSDP2-sharded per block and at
-    the root when fsdp. Under FSDP only rank 0 reads the base model from disk; the other ranks build
-    on the meta device and receive their shards by broadcast, so no process ever holds more than
-    one full copy in host memory. Trained weights are read into it afterwards (checkpoint.py).
+    the root when fsdp, over `mesh` (None: flat over all ranks; 2-D: HSDP, parallel.fsdp_mesh).
+    Under FSDP only rank 0 reads the base model from disk; the other ranks build on the meta device
+    and receive their shards by broadcast, so no process ever holds more than one full copy in host
+    memory. Trained weights are read into it afterwards (checkpoint.py).
     base_dtype: of the frozen base weights of a LoRA run; default bf16 for LoRA on one GPU (8.3B:
     17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32."""
     master = not fsdp or dist.get_rank() == 0
@@ -95,7 +105,7 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
         return net.to(device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     full = net.state_dict() if master else {}  # references, kept alive across the sharding
-    shard(net, fam.blocks(net), cuda=torch.device(device).type == 'cuda')
+    shard(net, fam.blocks(net), cuda=torch.device(device).type == 'cuda', mesh=mesh)
     net.to_empty(device=device)
     set_model_state_dict(net, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
@@ -103,7 +113,8 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
 
 
 def shard(net, blocks, cuda, mesh=None):
-    """FSDP2 as the trainer applies it: each block, then the root (bench/fullsize.py measures this)."""
+    """FSDP2 as the trainer applies it: each block, then the root (bench/fullsize.py measures this);
+    mesh None: sharded over all ranks, a 2-D (replicate, shard) mesh: HSDP."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # fp32 master shards, bf16 compute and fp32 gradient reduce-scatter: an update of lr 1e-5
     # would vanish in the rounding of bf16 weights

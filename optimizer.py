@@ -16,13 +16,15 @@ FSDP2: Newton-Schulz needs the whole matrix, and FSDP2's gradient is a Shard(0) 
 over ranks). Muon.step below keeps the momentum sharded (an elementwise update), gathers the
 whole momentum matrix (full_tensor: one all-gather per matrix), orthogonalises it on every rank and
 keeps its own rows (distribute_tensor with src_data_rank=None: a local slice, no communication).
-The released code does the same (full_tensor, then DTensor.from_local, replicated). torch.optim.Muon
-as shipped also runs on DTensors, through DTensor's op dispatch (collectives inside each of the 5
-iterations), but its result differed from the whole-matrix one by up to 1.4e-2 on entries of ~0.1
-(a 16x64 bf16 test on 2 ranks), and tests/test_optimizer.py shows its weights diverge. Cost per
-optimizer step and rank: an all-gather of every 2-D gradient in fp32 (the volume of FSDP's own
-weight all-gather, ~4 bytes x parameters) and the Newton-Schulz flops of the whole model, repeated
-on every rank (not split across ranks); measured on the toy: results/README.md section 4.
+The released code does the same (full_tensor, then DTensor.from_local, replicated). Under HSDP the
+gradient is (Replicate, Shard(0)) on a 2-D mesh and full_tensor gathers over the shard group only
+(a node's ranks; tests/test_nodes.py). torch.optim.Muon as shipped also runs on DTensors, through
+DTensor's op dispatch (collectives inside each of the 5 iterations), but its result differed from
+the whole-matrix one by up to 1.4e-2 on entries of ~0.1 (a 16x64 bf16 test on 2 ranks), and
+tests/test_optimizer.py shows its weights diverge. Cost per optimizer step and rank: an all-gather
+of every 2-D gradient in fp32 (the volume of FSDP's own weight all-gather, ~4 bytes x parameters)
+and the Newton-Schulz flops of the whole model, repeated on every rank (not split across ranks);
+measured on the toy: results/README.md section 4.
 
 Where this differs from the released code and why:
 - torch.optim.Muon accepts 2-D matrices only: a >2-D weight (HunyuanVideo's Conv3d patch embedder

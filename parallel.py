@@ -1,12 +1,29 @@
 """
-How the ranks are laid out: the process group from torchrun's environment (or one plain process),
-and the two collectives train.py's loop uses on small tensors.
+How the ranks are laid out and how they fail together: the process group from torchrun's
+environment (or one plain process), the FSDP2 mesh (flat or HSDP), the proof that every rank sees
+rank 0's directories, rank 0's solo phases, and the two collectives train.py's loop uses.
 
-    torchrun --nproc_per_node=8 train.py     # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR from torchrun
-    python train.py config/toy.py            # no RANK: one process, every collective a no-op
+    python train.py config/toy.py                 # no RANK: one process, every collective a no-op
+    torchrun --nproc_per_node=8 train.py          # one node: RANK, LOCAL_WORLD_SIZE, ... from torchrun
+    torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py
+                                                  # 64 GPUs on 8 nodes (docs/multinode.md)
 
-Layout: world = data parallel x sequence parallel; an sp group is sp_size consecutive ranks holding
-the same clips (sp.py), the data-parallel rank is rank // sp_size.
+Layout: torchrun numbers a node's ranks consecutively. world = data parallel x sequence parallel;
+an sp group is sp_size consecutive ranks inside one node holding the same clips (sp.py), the
+data-parallel rank is rank // sp_size. FSDP2 shards every weight over shard_size consecutive ranks
+and replicates it over the world / shard_size groups (HSDP, a 2-D mesh: docs/method.md section
+10.2); the default is one node's ranks, so a micro-step's all-gathers and reduce-scatters stay on
+a node's links and only one all-reduce of the gradient shards crosses nodes (results/hsdp.md). On
+one node that is plain FSDP over all ranks (mesh None).
+
+Failing fast (docs/method.md section 10.1): every collective waits at most dist_timeout; a rank that
+died or hangs makes the others' next collective fail, and each of them stops with one line holding
+torch's own words (NCCL names the ranks that never joined with TORCH_NCCL_DESYNC_DEBUG=1; gloo
+says only "timed out" or "connection reset"). Rank 0's solo phases (the prompt cache, the export,
+minutes to an hour) are not waited on in a collective: the others wait on a key of the c10d store,
+with solo_timeout. A directory that must be shared (out_dir, the prompt cache) is proven shared at
+start: every rank reads back a file rank 0 wrote there (a fresh token; the cache's index), and all
+agree in one collective.
 
 Restarts (torchrun --max-restarts): torchrun's agent keeps one TCPStore for the whole job and hands
 every restarted worker group the same one (torch/distributed/elastic/rendezvous/
@@ -15,28 +32,41 @@ keys the last one left, a dead peer's address (gloo: connectFullMesh "Connection
 old unique id). Each restart meets under its own prefix; the restart count is the same on every
 worker of one node only, so across nodes restarts need torch's own fresh store per rendezvous
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, docs/restarts.md).
+
+Tested by: python -m pytest tests/test_nodes.py   (simulated nodes: several torchrun agents, gloo)
 """
+import hashlib
 import os
+import re
+import secrets
+import socket
+import sys
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+SEEN_WAIT = 5.0  # seconds a rank retries reading rank 0's token (a network filesystem's lookup delay)
+TIMEOUT = None   # init()'s collective timeout, given to the groups of every mesh (mesh())
+
 
 def init(device, timeout_minutes):
     """(ddp, rank, world, device): the process group (NCCL on GPUs, gloo on CPUs) under torchrun, this
-    rank's GPU; every collective waits at most timeout_minutes."""
+    rank's GPU; every collective waits at most timeout_minutes, then this process stops with one line."""
     if device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('no CUDA device: run with --device=cpu (the toy world: python train.py config/toy.py)')
     if 'RANK' not in os.environ:
         return False, 0, 1, device
-    timeout = timedelta(minutes=timeout_minutes)
-    dist.init_process_group('nccl' if device == 'cuda' else 'gloo', timeout=timeout,
-                            store=_store(timeout),  # a restart's own keys (see the docstring)
+    global TIMEOUT
+    TIMEOUT = timedelta(minutes=timeout_minutes)
+    dist.init_process_group('nccl' if device == 'cuda' else 'gloo', timeout=TIMEOUT,
+                            store=_store(TIMEOUT),  # a restart's own keys (see the docstring)
                             rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
     if device == 'cuda':
         device = f'cuda:{int(os.environ["LOCAL_RANK"])}'
         torch.cuda.set_device(device)
+    _one_line_on_collective_failure(dist.get_rank(), timeout_minutes)
     return True, dist.get_rank(), dist.get_world_size(), device
 
 
@@ -51,6 +81,146 @@ def _store(timeout):
                          'docs/restarts.md)')
     store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), is_master=False, timeout=timeout)
     return dist.PrefixStore(f'restart_{env["TORCHELASTIC_RESTART_COUNT"]}/default_pg', store)
+
+
+def _one_line_on_collective_failure(rank, timeout_minutes):
+    # a collective that failed (a peer died: connection reset; or hangs: timed out) ends this
+    # process with one line instead of a traceback through FSDP's hooks; other errors keep theirs
+    default = sys.excepthook
+
+    def hook(kind, e, tb):
+        text = str(e).strip()
+        if not (isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and re.search('gloo|NCCL', text)):
+            return default(kind, e, tb)
+        first = text.splitlines()[0] if text else kind.__name__
+        first = re.sub(r'^\[[^\]]*\]\s*', '', first).split('. ')[0]  # without gloo's [file:line] and advice
+        print(f'rank {rank} ({socket.gethostname()}): a collective failed: {first} (dist_timeout '
+              f'{timeout_minutes:g} min; a rank died or hangs, see its node\'s log)', file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: the process group is broken, and gloo or NCCL could hang in it
+    sys.excepthook = hook
+
+
+def local_world():
+    """Ranks of this node (torchrun's LOCAL_WORLD_SIZE); 1 without torchrun."""
+    return int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+
+
+def check_layout(world, shard_size, sp_size):
+    """shard_size (0: one node's ranks) -> the ranks a weight is sharded over; SystemExit with one
+    line if it does not divide the world, or if an sp group would span nodes."""
+    node = local_world()
+    shard_size = shard_size or min(node, world)
+    if world % shard_size:
+        raise SystemExit(f'shard_size {shard_size} must divide the world size {world} (HSDP: '
+                         'world / shard_size replicas of each shard)')
+    if node % sp_size:
+        raise SystemExit(f'sp_size {sp_size} must divide the {node} ranks of a node (--nproc_per_node): '
+                         'a sequence-parallel group runs an all-to-all in every block, on a node\'s links')
+    return shard_size
+
+
+def mesh(device, shape, names):
+    """init_device_mesh whose groups wait at most dist_timeout, as the default group does: a group torch
+    creates for a mesh gets the backend's default timeout (NCCL 10 min, gloo 30), not the one
+    init_process_group was given (docs/method.md section 10.2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    kind = torch.device(device).type
+
+    def options():  # a group's options, with our timeout
+        o = dist.ProcessGroupNCCL.Options() if kind == 'cuda' else dist.ProcessGroupGloo._Options()
+        o._timeout = TIMEOUT
+        return o
+    return init_device_mesh(kind, shape, mesh_dim_names=names,
+                            backend_override={n: options() for n in names} if TIMEOUT else None)
+
+
+def fsdp_mesh(world, shard_size, device):
+    """The mesh model.shard gives FSDP2: None (flat over all ranks, the default group) when one shard
+    group is the world, else (replicate, shard) = (world / shard_size, shard_size), consecutive ranks
+    in a shard group."""
+    return None if shard_size == world else mesh(device, (world // shard_size, shard_size), ('replicate', 'shard'))
+
+
+def check_shared(path, what, master, name=None):
+    """Collective: every rank sees the directory rank 0 sees at `path`, or every rank stops with the
+    same line. The proof is a file rank 0 wrote there: `name` (e.g. the prompt cache's index), or
+    else a token file rank 0 writes now (creating the directory), named by a fresh random token and
+    removed after; every rank reads it by name (a directory listing can be stale on a network
+    filesystem) and compares its bytes with rank 0's sha256."""
+    file, error, digest = name or f'.shared-{secrets.token_hex(8)}', None, None
+    if master:
+        try:
+            if name is None:
+                os.makedirs(path, exist_ok=True)
+                with open(os.path.join(path, file), 'w') as f:
+                    f.write(file)
+            digest = _sha256(os.path.join(path, file))
+        except OSError as e:
+            error = f'{what} {path!r} is not {"readable" if name else "writable"}: {e}'
+    if not dist.is_initialized():
+        if error:
+            raise SystemExit(error)
+        if name is None:
+            os.remove(os.path.join(path, file))
+        return
+    box = [file, digest, error]
+    dist.broadcast_object_list(box)  # rank 0's file and its digest, once written
+    file, digest, error = box
+    if error:
+        raise SystemExit(error)
+    seen, t0 = master, time.time()
+    while not seen and time.time() - t0 < SEEN_WAIT:
+        try:
+            seen = _sha256(os.path.join(path, file)) == digest
+        except OSError:
+            pass
+        if not seen:
+            time.sleep(0.2)
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (seen, socket.gethostname()))
+    if master and name is None:
+        os.remove(os.path.join(path, file))
+    blind = [f'{r} ({host})' for r, (ok, host) in enumerate(reports) if not ok]
+    if blind:
+        ranks = f'rank {blind[0]} does' if len(blind) == 1 else f'ranks {", ".join(blind)} do'
+        raise SystemExit(f'{what} {path!r} must be on a filesystem all nodes share: {ranks} not see the file '
+                         f'rank 0 wrote in it ({file})')
+
+
+def _sha256(path):
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def solo(fn, name, timeout_minutes):
+    """Rank 0 alone runs fn() (minutes to an hour: the prompt cache, the export) while the other ranks
+    wait on the c10d store's key `name`, not in a collective (whose dist_timeout is short), for at
+    most timeout_minutes. A SystemExit of rank 0's stops every rank with its line. Returns fn()'s
+    result on rank 0, None elsewhere."""
+    if not dist.is_initialized():
+        return fn()
+    store = dist.distributed_c10d._get_default_store()  # per torchrun attempt: a restart starts afresh
+    key = f'solo/{name}'
+    if dist.get_rank() == 0:
+        try:
+            out = fn()
+        except SystemExit as e:
+            store.set(key, str(e))
+            raise
+        except BaseException as e:  # a traceback on rank 0; the others stop with a line
+            store.set(key, f'rank 0 failed in {name}: {type(e).__name__}: {str(e)[:300]}')
+            raise
+        store.set(key, '')
+        return out
+    try:
+        store.wait([key], timedelta(minutes=timeout_minutes))
+    except dist.DistError as e:  # a timeout, or rank 0's node is gone with the store it held
+        raise SystemExit(f'rank {dist.get_rank()}: rank 0 did not finish {name} within solo_timeout '
+                         f'({timeout_minutes:g} min) or its node is gone ({str(e).splitlines()[0][:200]})')
+    error = store.get(key).decode()
+    if error:
+        raise SystemExit(error)
+    return None
 
 
 def gather(t, group=None):

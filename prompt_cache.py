@@ -25,6 +25,8 @@ import json
 import os
 import shutil
 
+import parallel
+
 CHUNK = 256  # prompts encoded and written per shard file (rank 0 holds one chunk at a time)
 INDEX = 'index.json'
 
@@ -92,22 +94,13 @@ def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
     return path
 
 
-def shared(path, model, prompts, device, master, ddp):
-    """Rank 0 builds the cache (the encoders' memory on one rank only), every rank opens it. An error of
+def shared(path, model, prompts, device, master, timeout_minutes=60.0):
+    """Rank 0 builds the cache (the encoders' memory on one rank only) while the others wait on the
+    c10d store for at most timeout_minutes (parallel.solo); then every rank proves it sees rank 0's
+    directory (parallel.check_shared) and opens it, or every rank stops with one line. An error of
     rank 0's (e.g. a word outside the toy's vocabulary) stops every rank with the same line."""
-    error = None
-    if master:
-        try:
-            build(path, model, prompts, device)
-        except SystemExit as e:
-            error = str(e)
-    if ddp:
-        import torch.distributed as dist
-        box = [error]
-        dist.broadcast_object_list(box)  # also the barrier: the cache is complete once this returns
-        error = box[0]
-    if error:
-        raise SystemExit(error)
+    parallel.solo(lambda: build(path, model, prompts, device), 'prompt_cache', timeout_minutes)
+    parallel.check_shared(path, 'the prompt cache', master, INDEX)  # every rank reads rank 0's index
     return PromptCache(path)
 
 

@@ -48,7 +48,7 @@ SAFE = frozenset((
     'clip_dir', 'pickscore_dir', 'save_every', 'keep_checkpoints', 'export_dtype', 'diag_every',
     'wandb_log', 'wandb_project',
     'rollout_batch', 'train_batch', 'gradient_checkpointing', 'attention', 'attention_backend', 'device',
-    'sp_size', 'dist_timeout',
+    'sp_size', 'dist_timeout', 'shard_size', 'solo_timeout',
 ))
 
 _held = None  # rank 0: the open lock file; the flock lasts as long as this process holds it open

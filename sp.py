@@ -7,12 +7,13 @@ every family file hands its plan to enable().
 
     torchrun --nproc_per_node=8 train.py config/released.py     # sp_size 2: 4 groups of 2 GPUs
 
-Layout: world = dp x sp; ranks r = dp_rank * sp + sp_rank (an sp group is consecutive ranks, one
-node's fast links). The ranks of a group hold the same clips, draw the same noise and compute the same
-velocity (gathered at the end of the model); each runs the blocks on 1/sp of the video tokens and
-1/sp of the text tokens. FSDP2 still shards the weights over all ranks. Gradients need no correction:
-the gather's backward hands each rank only its own tokens' gradient, so a group's ranks together
-contribute one clip's gradient once, and train.py's loss denominator stays per world rank.
+Layout: world = dp x sp; ranks r = dp_rank * sp + sp_rank (an sp group is consecutive ranks inside
+one node, on its fast links: parallel.check_layout). The ranks of a group hold the same clips, draw
+the same noise and compute the same velocity (gathered at the end of the model); each runs the
+blocks on 1/sp of the video tokens and 1/sp of the text tokens. FSDP2 shards the weights over its
+own mesh (parallel.fsdp_mesh). Gradients need no correction: the gather's backward hands each rank
+only its own tokens' gradient, so a group's ranks together contribute one clip's gradient once, and
+train.py's loss denominator stays per world rank.
 
 What a family's attention processor must do to compose, one of:
 - Ulysses itself (hunyuan15.ValidTokensAttention, the default): diffusers' enable_parallelism sets its
@@ -32,7 +33,8 @@ sets MaskedKeysAttention in its place (identical outputs on valid tokens).
 Limits: heads % sp == 0 (16 heads: sp 1, 2, 4, 8, 16; the toy's 3 heads: sp 1 or 3) and the video
 tokens F*h*w % sp == 0 (81 frames at 480x848, 33,390 tokens, or at 352x624, 18,018: sp 2 only;
 121 frames at 720x1280, 111,600: up to 16),
-both checked with a clear error. The text tokens are padded with masked tokens to a multiple of sp.
+both checked with a clear error before anything loads (check()). The text tokens are padded with
+masked tokens to a multiple of sp.
 diffusers' Ulysses-anything mode (uneven splits) has no backward pass, so it cannot train.
 
 Cost per GPU at sp 1 / 2 / 4: results/fullsize.md's sequence-parallel section (measured with
@@ -40,10 +42,12 @@ MaskedKeysAttention on diffusers' NATIVE Ulysses, whose backward recomputes the 
 Tested by: python -m pytest tests/test_sp.py (sp 2, sp 4 and dp 2 x sp 2 against one process)
 """
 import contextlib
+import math
 from unittest import mock
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+
+import parallel
 
 
 def mesh(sp_size, device):
@@ -54,8 +58,23 @@ def mesh(sp_size, device):
     world = dist.get_world_size()
     if sp_size < 1 or world % sp_size:
         raise SystemExit(f'sp_size {sp_size} must divide the world size {world}')
-    return init_device_mesh(torch.device(device).type, (world // sp_size, 1, sp_size),
-                            mesh_dim_names=('dp', 'ring', 'ulysses'))
+    return parallel.mesh(device, (world // sp_size, 1, sp_size), ('dp', 'ring', 'ulysses'))
+
+
+def check(sp_size, config, latent):
+    """Before anything loads: sp_size divides the attention heads and the video tokens of transformer
+    config (its config.json: num_attention_heads, patch_size, patch_size_t) for latents of shape
+    latent (C, F, h, w) (the family's latent_shape); else SystemExit with one line."""
+    heads, patch = config['num_attention_heads'], config.get('patch_size', 1)
+    per_token = math.prod(patch) if isinstance(patch, (list, tuple)) else \
+        config.get('patch_size_t', 1) * patch ** 2  # (t, h, w) latents a token: 1 x 1 x 1 in HunyuanVideo 1.5
+    video = math.prod(latent[1:]) // per_token
+    if heads % sp_size:
+        raise SystemExit(f'sp_size {sp_size} must divide the transformer\'s {heads} attention heads '
+                         '(Ulysses gives each rank heads / sp_size of them)')
+    if video % sp_size:
+        raise SystemExit(f'sequence parallel: {video} video tokens (latents {tuple(latent)}) do not split '
+                         f'over sp_size {sp_size}; choose a frame count or size whose latent grid divides')
 
 
 def enable(net, device_mesh, plan):

@@ -42,7 +42,7 @@ from equalizer import scales
 from evaluate import HeldOut
 from loss import clipped_surrogate, denominator, masked_sum
 from model import PASS_KINDS, batch_text, count_passes, family, generators, latent_shape, \
-    load_decoder, load_policy, noise, sample, seed_of, velocity
+    load_decoder, load_policy, noise, sample, seed_of, transformer_config, velocity
 from optimizer import build as build_optimizers, zero_grad
 from preemption import Preemption
 from reward import combine, group_advantages, sample_indices, score_and_grad
@@ -126,9 +126,11 @@ gradient_checkpointing = True   # recompute block activations in backward
 attention = 'valid_tokens'      # the blocks' attention: padding left out, no mask (attention.py)
 attention_backend = 'native'    # diffusers' attention backend: 'native' (torch SDPA), '_native_flash', 'flash', ...
 device = 'cuda'                 # 'cuda' or 'cpu'
-sp_size = 1                     # ranks sharing one clip's tokens (sp.py); data parallel the rest
-dist_timeout = 60               # minutes a collective waits (rank 0 alone builds the prompt cache
-                                # and the export meanwhile)
+sp_size = 1                     # ranks of a node sharing one clip's tokens (sp.py); data parallel the rest
+shard_size = 0                  # ranks a weight is sharded over, replicated over the others (HSDP,
+                                # parallel.py); 0: the ranks of one node (one node: plain FSDP)
+dist_timeout = 10.0             # minutes a collective waits: a rank that died or hangs ends the job
+solo_timeout = 60.0             # minutes the ranks wait for rank 0 alone (prompt cache, export)
 seed = 0
 config = configure(globals())  # also checks each value against configurator.RULES
 # -----------------------------------------------------------------------------
@@ -137,6 +139,10 @@ config = configure(globals())  # also checks each value against configurator.RUL
 ddp, rank, world, device = parallel.init(device, dist_timeout)
 master = rank == 0
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
+shard_size = parallel.check_layout(world, shard_size, sp_size)  # sp inside a node, shards divide the world
+shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): the family's, no weights read
+if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
+    sp.check(sp_size, transformer_config(model), shape)
 dp_rank, dp_world = rank // sp_size, world // sp_size  # an sp group: consecutive ranks, same clips
 dp_group = sp_mesh['dp'].get_group() if sp_mesh else None  # one rank of each sp group
 n_clips = prompts_per_iter * group_size
@@ -149,21 +155,27 @@ preemption = Preemption(rank, device)  # the first SIGTERM: a checkpoint at the 
 
 train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
 eval_list, _ = prompt_cache.read_prompts(eval_prompts)
+parallel.check_shared(out_dir, 'out_dir', master)  # every rank sees rank 0's out_dir, or all stop
 quiet = print if master else lambda m: None
 # out_dir locked for this run, and how it begins: from the checkpoints of the run it holds, or at 0
 ckpts, history = rundir.claim(config, master, log=quiet)
 if master:
     print(json.dumps(config, indent=1))
+    if ddp:  # e.g. 'layout: 64 ranks; weights sharded over 8 and replicated 8x (HSDP); sp 2'
+        hsdp = f' and replicated {world // shard_size}x (HSDP)' if shard_size < world else ''
+        print(f'layout: {world} ranks; weights sharded over {shard_size}{hsdp}; sp {sp_size}')
 
 # ----------------------------------------------------------------------------- models
 # prompt embeddings: encoded once by rank 0 with the model's own text encoders into out_dir's
 # cache (prompt_cache.py), the encoders freed before the policy loads; every rank memory-maps it
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
-                                 set(train_list) | set(eval_list) | {negative_prompt}, device, master, ddp)
+                                 set(train_list) | set(eval_list) | {negative_prompt}, device, master,
+                                 solo_timeout)
 fam = family(model)  # the model family's file (hunyuan15.py, toy.py, ...): model.py's interface
+fsdp_mesh = parallel.fsdp_mesh(world, shard_size, device) if ddp else None  # None: flat; 2-D: HSDP
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
-                     attention=attention, backend=attention_backend)
-if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards over all ranks)
+                     attention=attention, backend=attention_backend, mesh=fsdp_mesh)
+if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards over its own mesh)
     sp.enable(policy, sp_mesh, fam.cp_plan(policy))
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
 params = [p for o in optimizers for g in o.param_groups for p in g['params']]  # FSDP2 shards
@@ -186,7 +198,6 @@ try:  # frozen watchers for reward hacking, scored at held-out evaluation only, 
 except (OSError, ValueError) as e:
     raise SystemExit(f'eval_metrics: {e} (--eval_metrics= switches them off)')
 
-shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w)
 sigmas = sde.sigmas(num_steps, shift).to(device)        # (N + 1,) from 1.0 to 0.0
 stochastic = [i for i in range(num_steps)
               if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
@@ -469,12 +480,16 @@ while iter_num < max_iters:
             print(f'preempted: checkpoint of iteration {iter_num} written; the same command continues')
         break
 
-if master and export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format
-    checkpoint.export(out_dir, os.path.join(out_dir, 'export'), getattr(torch, export_dtype))
-    print(f'exported to {out_dir}/export: diffusers {fam.TRANSFORMER}.from_pretrained() loads it')
+if export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format, by rank 0
+    # alone: the others wait on the c10d store (solo_timeout), not in a collective (dist_timeout)
+    dest = os.path.join(out_dir, 'export')
+    parallel.solo(lambda: checkpoint.export(out_dir, dest, getattr(torch, export_dtype)), 'export',
+                  solo_timeout)
+    if master:
+        print(f'exported to {out_dir}/export: diffusers {fam.TRANSFORMER}.from_pretrained() loads it')
 
 if ddp:
-    dist.barrier()  # every rank waits for the export (dist_timeout), and none tears gloo down early
+    dist.barrier()  # none tears gloo down early
     del policy, anchor  # their FSDP state holds the process group: freed after destroy_process_group
     gc.collect()        # it can abort the process at exit ('terminate called without an active exception')
     dist.destroy_process_group()
