@@ -119,6 +119,7 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
         return path
     tmp = os.path.join(out_dir, name + '.tmp')
     if _master():
+        os.makedirs(out_dir, exist_ok=True)
         for d in os.listdir(out_dir):  # saves that died before publishing (a rank died or hung mid-save)
             if d.startswith(PREFIX) and d.endswith('.tmp'):
                 shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)

@@ -140,9 +140,6 @@ ddp, rank, world, device = parallel.init(device, dist_timeout)
 master = rank == 0
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
 shard_size = parallel.check_layout(world, shard_size, sp_size)  # sp inside a node, shards divide the world
-shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): the family's, no weights read
-if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
-    sp.check(sp_size, transformer_config(model), shape)
 dp_rank, dp_world = rank // sp_size, world // sp_size  # an sp group: consecutive ranks, same clips
 dp_group = sp_mesh['dp'].get_group() if sp_mesh else None  # one rank of each sp group
 n_clips = prompts_per_iter * group_size
@@ -166,6 +163,9 @@ if master:
         print(f'layout: {world} ranks; weights sharded over {shard_size}{hsdp}; sp {sp_size}')
 
 # ----------------------------------------------------------------------------- models
+shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): the family's, no weights read
+if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
+    sp.check(sp_size, transformer_config(model), shape)
 # prompt embeddings: encoded once by rank 0 with the model's own text encoders into out_dir's
 # cache (prompt_cache.py), the encoders freed before the policy loads; every rank memory-maps it
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
