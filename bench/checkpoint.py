@@ -2,9 +2,9 @@
 What a checkpoint and a resume cost as the model grows, and what the prompt cache costs a rank as
 the prompt set grows. Checkpoints: random HunyuanVideo15Transformer3DModel
 configs of about 20M, 80M and 320M parameters, in one process and on 2 FSDP2 ranks (gloo, CPU),
-with this project's sharded checkpoints (checkpoint.py, DCP) and with the code they replaced (a full
-state gathered to rank 0 and pickled into one state.pt; on resume every rank torch.loads all of it:
-reimplemented below from git history, f775d5f train.py save_checkpoint and its resume block).
+with this project's sharded checkpoints (checkpoint.py, DCP) and with the simplest alternative, a
+gathered save (the full state gathered to rank 0 and pickled into one state.pt; on resume every rank
+torch.loads all of it: old_save / old_load below).
 
     python -m bench.checkpoint              # ~5 min on 2 cores; results/checkpoint.{md,json}, README block
     python -m bench.checkpoint --parts=      # no measurement: the report and README block from checkpoint.json
@@ -25,7 +25,7 @@ whole, b: what is sharded), then per rank = (a + b/8) x 16 B x 8.3e9 and per nod
 
 Prompt cache: 100 and 10,000 synthetic prompts of 2.2 MB (300 x 3584 bf16 Qwen embeddings) written
 by prompt_cache.build (rank 0, chunk by chunk); a fresh process (one rank) opens the cache and reads
-64 prompts; the old single torch.save'd file is loaded whole where it fits in RAM.
+64 prompts; a single torch.save'd file (`old`) is loaded whole where it fits in RAM.
 """
 import gc
 import json
@@ -53,9 +53,9 @@ BYTES_PER_PARAM = 16            # fp32 weights + AdamW exp_avg, exp_avg_sq + anc
 PROMPT_COUNTS = (100, 10000)     # prompt-set sizes of the prompt-cache measurement
 PROMPT_TOKENS, PROMPT_DIM = 300, 3584  # a prompt's Qwen embeddings: ~300 tokens x 3584 bf16 = 2.2 MB
 PROMPT_READS = 64               # prompts one rank reads in the measurement
-OLD_MAX_P = 1.2e8               # the old code is measured up to this size (at 320M its 2-rank resume
+OLD_MAX_P = 1.2e8               # the gathered save is measured up to this size (at 320M its 2-rank resume
                                 # needs ~14 GB on this shared 23 GB machine; its fraction is flat in P)
-OLD_CACHE_MAX = 4e9             # the old single-file cache is measured only below this size (host RAM)
+OLD_CACHE_MAX = 4e9             # the single-file cache is measured only below this size (host RAM)
 
 
 def rss():
@@ -231,7 +231,7 @@ def prompt_worker(kind, path, n, reads, result):
 
 def bench_prompt_cache():
     """Write caches of 100 and 10,000 synthetic prompts once (rank 0's job), then measure one
-    rank's open time and memory; the old single-file cache is measured where it fits in RAM."""
+    rank's open time and memory; the single-file cache is measured where it fits in RAM."""
     import shutil
     import prompt_cache
     res = {}
@@ -245,7 +245,7 @@ def bench_prompt_cache():
         t_write = time.perf_counter() - t0
         row = dict(n=n, cache_gb=n * per_prompt / 1e9, t_write=t_write)
         kinds = [('new', path)]
-        if n * per_prompt < OLD_CACHE_MAX:  # the old way: one torch.save'd dict, loaded whole by every rank
+        if n * per_prompt < OLD_CACHE_MAX:  # `old`: one torch.save'd dict, loaded whole by every rank
             old = os.path.join(work, f'prompts_{n}.pt')
             cache = {}
             fake_encode('synthetic', prompts, sink=cache.update)
@@ -318,7 +318,7 @@ def bench_checkpoints():
     md = ['## Checkpoint and resume cost (bench/checkpoint.py)', '',
           'Random HunyuanVideo15Transformer3DModel configs, fp32 training state = 16 bytes a parameter (weights, '
           'AdamW moments, anchor), on this machine\'s 2 CPU cores (gloo). `dcp`: checkpoint.py (each rank writes '
-          'and reads its own shards); `old`: the code it replaced (gathered to rank 0, one pickle, every rank '
+          'and reads its own shards); `old`: a gathered save (the state gathered to rank 0, one pickle, every rank '
           'loads all of it). Peak = the highest sampled RSS of a rank during the save / the resume; fraction = '
           '(peak - RSS before the model was built: interpreter, libraries, process group) / full training state, the worst rank. Written = bytes per rank.', '',
           '| config | params | state GB | code | ranks | save peak GB per rank | save fraction | resume peak GB per rank '
@@ -334,7 +334,7 @@ def bench_checkpoints():
     big = configs[-1][0]
     d = {ph: max(R[f'{big} dcp 2'][ph]['peak_gb']) / max(R[f'{big} dcp 1'][ph]['peak_gb']) for ph in ('save', 'resume')}
     md += ['', f'**At {big}, 2 ranks vs 1 process, per-rank peak RSS (absolute, interpreter included): save '
-           f'{d["save"]:.2f}x, resume {d["resume"]:.2f}x** with dcp. The old code is not run above '
+           f'{d["save"]:.2f}x, resume {d["resume"]:.2f}x** with dcp. The gathered save is not run above '
            f'{OLD_MAX_P / 1e6:.0f}M parameters (its 2-rank resume would need ~14 GB of this shared machine\'s 23 GB); '
            'its fractions do not depend on the size.', '',
            f'Extrapolated to {TARGET_P / 1e9:.1f}B parameters on {TARGET_N} ranks (full state {ST:.0f} GB): a rank '
@@ -348,8 +348,8 @@ def bench_checkpoints():
     worst = max(ext['dcp save']['host_node_gb'], ext['dcp resume']['host_node_gb'])
     old_worst = max(ext['old save']['host_node_gb'], ext['old resume']['host_node_gb'])
     md += ['', f'**A node of 8 GPUs training the 8.3B model needs about {worst:.0f} GB of host RAM beyond its '
-           f'processes\' baseline during a save or a resume with sharded checkpoints; the old code needed about '
-           f'{old_worst:.0f} GB** (the old save holds the whole state on rank 0; the old resume loads it on '
+           f'processes\' baseline during a save or a resume with sharded checkpoints; a gathered save would need about '
+           f'{old_worst:.0f} GB** (it holds the whole state on rank 0 when saving and loads it on '
            'every rank). Both are upper bounds from CPU runs, where DCP\'s staging copies and the freshly '
            'initialised optimizer state count as well.']
     return dict(runs=R, extrapolation=ext), md

@@ -12,7 +12,7 @@ Token-level credit (credit.py): what the extra reward backward costs, and what t
    numbers need a GPU run: its saved activations grow with width and depth (1536 x 28 layers vs 64 x 2).
 2. picture: for four toy prompts, ODE samples of the base model and their credit maps ('window'),
    a latent token's weight drawn over the 4x4 pixels it decodes to.
-Where this differs from the issue: no GPU was lent to this task, so no measurement at 2B scale.
+What it does not measure: the real 2B reward model's cost (it needs a GPU).
 """
 import json
 import os

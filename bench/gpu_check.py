@@ -26,7 +26,7 @@ Then |ratio - 1| of the first update against the 1e-4 clip (max and clipped frac
 metrics.jsonl): with one optimizer step per rollout batch theta == theta_old, so any |ratio - 1| is the
 numerical gap between the rollout's forward and the update's (bf16, batch size, checkpointing); above
 1e-4 the clip would zero the policy gradient of those steps.
-Not run on a GPU yet (no GPU was lent while it was written); its CPU path is checked here.
+Its results are written by a GPU run (none in results/ yet); tests/test_fullsize.py runs its CPU path.
 """
 import json
 import os
