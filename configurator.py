@@ -48,9 +48,21 @@ def number(lo=None, hi=None, lo_open=False, then=''):  # lo <= v (lo < v if lo_o
     return (lambda v: (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)), text + then
 
 
+def _pixels(v):  # a height or width the VAE compresses 16x
+    return v >= 16 and v % 16 == 0
+
+
+def _clip(v):  # (frames, height, width) of a clip: the VAE compresses time 4x, space 16x
+    return len(v) == 3 and v[0] >= 1 and v[0] % 4 == 1 and _pixels(v[1]) and _pixels(v[2])
+
+
 def prompt_or_file(v):  # sample.py --prompts: a prompt, or a file of prompts
     names_file = v.endswith(('.txt', '.csv')) or os.sep in v or '/' in v
     return not names_file or os.path.isfile(v) or 'file not found'
+
+
+_CLIPS = ((lambda v: len(v) > 0 and all(_clip(c) for c in v)),
+          '(frames, height, width) triples: 1 + 4k frames, sizes multiples of 16')
 
 
 # ----------------------------------------------------------------------------- valid values
@@ -71,8 +83,8 @@ RULES = dict(
     num_steps=number(1), eta=number(0, lo_open=True, then=' (at 0 no step is stochastic: nothing to train)'),
     shift=number(0, lo_open=True), cfg=number(1, then=' (1: no guidance)'),
     num_frames=((lambda v: v >= 1 and v % 4 == 1), '1 + 4k frames (the VAE compresses time 4x): 1, 5, ..., 81'),
-    height=((lambda v: v >= 16 and v % 16 == 0), 'a multiple of 16 (the VAE compresses space 16x)'),
-    width=((lambda v: v >= 16 and v % 16 == 0), 'a multiple of 16 (the VAE compresses space 16x)'),
+    height=(_pixels, 'a multiple of 16 (the VAE compresses space 16x)'),
+    width=(_pixels, 'a multiple of 16 (the VAE compresses space 16x)'),
     fps=number(0, lo_open=True),
     # GRPO, trust region, optimisation
     group_size=number(2, then=' (GRPO compares rollouts of a prompt)'), prompts_per_iter=number(1),
@@ -81,14 +93,33 @@ RULES = dict(
     anchor_every=number(1), beta_pos=number(0), beta_vel=number(0), kl_max=number(0, lo_open=True),
     kl_target=number(0, lo_open=True), learning_rate=number(0, lo_open=True), weight_decay=number(0),
     grad_clip=number(0, lo_open=True), lora_rank=number(0), max_iters=number(0),
+    eval_steps=number(0, then=' (0: num_steps)'), sde_window=number(0, then=' (0: every stochastic step)'),
     sp_size=number(1),  # it must divide the world size and the heads (16; the toy's 3): train.py and sp.py check
     shard_size=number(0, then=" (0: one node's ranks)"),  # it must divide the world size: parallel.py checks
-    dist_timeout=number(0, lo_open=True), solo_timeout=number(0, lo_open=True),
+    dist_timeout=number(0, lo_open=True, then=' (minutes)'),
+     solo_timeout=number(0, lo_open=True),
     # I/O
     eval_every=number(0), eval_samples=number(1), eval_videos=number(0), save_every=number(0),
     keep_checkpoints=number(1), diag_every=number(0), num_prompts=number(1),
-    # benches
-    threads=number(1), seeds=number(1), iters=number(1), workers=number(1),
+    # benches (bench.compute's and bench.verdicts' `prompts`, bench.fullsize's `only`: their own rules)
+    threads=number(1), seeds=number(1), iters=number(1), workers=number(1), worker=number(0),
+    budget_min=number(0, then=' (0: no limit)'), repeats=number(1), blocks=number(1),
+    phase_timeout=number(0, lo_open=True, then=' (seconds)'), parts=list_of('checkpoint', 'prompts'),
+    group=number(2), bench_prompts=number(1, 16, then=' (the toy has 16 held-out prompts)'),
+    grad_clips=number(1, 16, then=' (the toy has 16 held-out prompts)'), search_iters=number(1),
+    train_iters=number(1), train_prompts_per_iter=number(1), acting_kl_max=number(0, lo_open=True),
+    first_seed=number(0), cost_iters=number(2, then=' (the first is warm-up)'),
+    evals=number(1), smooth=number(1), max_iters_factor=number(1), full_iters=number(1), full_gpus=number(1),
+    tr_kl_max=number(0, lo_open=True), tr_updates=number(1), match_tol=number(0, lo_open=True),
+    late_iters=number(0), thresholds=((lambda v: len(v) > 0 and all(0 < t <= 2 for t in v)),
+                                      "held-out composites in (0, 2] (the toy's 0.5 VQ + 0.5 MQ + TA)"),
+    processor=one_of(*ATTENTIONS), gpus=number(1), clips=number(1), gpu_gb=number(0, lo_open=True),
+    tflops=number(0, lo_open=True), videoalign_params=number(0), metrics_params=number(0),
+    sizes=((lambda v: len(v) > 0 and all(len(s) == 2 and all(_pixels(x) for x in s) for s in v)),
+           '(height, width) pairs, each a multiple of 16'),
+    sp_clips=_CLIPS, lora_sizes=_CLIPS,
+    text_tokens=((lambda v: len(v) == 2 and all(n >= 1 for n in v)), '(Qwen, ByT5) token counts >= 1'),
+    sp_sizes=((lambda v: len(v) > 0 and all(n >= 1 for n in v)), 'sequence-parallel degrees >= 1'),
 )
 
 

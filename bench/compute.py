@@ -55,7 +55,7 @@ import toy
 from bench import common as C
 from bench.common import table
 from bench.fullsize import gpu_hours, tflops as TFLOPS
-from configurator import configure
+from configurator import configure, number
 
 _argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts reads the command line when imported: not ours
 from bench.verdicts import fmt, paired, t975  # noqa: E402  the paired-seed statistics
@@ -78,7 +78,9 @@ run = True              # False: only the report, from the cells already cached
 threads = 1             # torch threads of every train.py
 quick = False           # a smoke test: tiny runs, 2 seeds, into the temp folder
 config = configure(globals(), [a + '=True' if a == '--quick' else a for a in sys.argv[1:]]
-                   if __name__ == '__main__' else [])
+                   if __name__ == '__main__' else [], rules=dict(prompts=number(1)))
+if worker >= workers:
+    raise SystemExit(f'config error: worker must be below workers ({workers}), got {worker}')
 # -----------------------------------------------------------------------------
 FULL = dict(num_steps=20, cfg=6.0, shift=5.0, eta=0.5, sampler='sage', group_size=4, prompts_per_iter=8)  # train.py's
 _toy = {}

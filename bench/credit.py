@@ -17,6 +17,7 @@ What it does not measure: the real 2B reward model's cost (it needs a GPU).
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -24,9 +25,11 @@ import torch
 import credit
 import reward
 import toy
+from configurator import configure
 
 out = 'results'  # output folder
 repeats = 3      # timing repeats (the median is reported)
+config = configure(globals(), sys.argv[1:] if __name__ == '__main__' else [])
 torch.set_num_threads(1)
 
 
@@ -75,7 +78,6 @@ def cost():
     clips = (clips + 0.04 * torch.randn(clips.shape, generator=g)).clamp(0, 1)
     rows.append(cost_row('toy reward', toy.reward, clips, prompts, toy.FPS))
     import tempfile
-    import sys
     sys.path.insert(0, 'tests')
     from tiny_videoalign import make_tiny_videoalign
     with tempfile.TemporaryDirectory() as d:

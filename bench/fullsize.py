@@ -74,7 +74,7 @@ from torch.utils.flop_counter import flop_registry
 
 from bench import common as C
 from bench.common import table
-from configurator import configure
+from configurator import configure, list_of
 from hunyuan15 import IMAGE_TOKENS, LORA_TARGETS, cp_plan, set_attention
 from model import _cat_text, shard
 from trust_region import Anchor
@@ -107,7 +107,8 @@ processor = 'masked_keys'       # the blocks' attention (hunyuan15.set_attention
 seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
-                   if __name__ == '__main__' else [])
+                   if __name__ == '__main__' else [],
+                   rules=dict(only=list_of('train', 'rollout', 'lora', 'diffusers', 'sp')))
 # -----------------------------------------------------------------------------
 GiB = 2 ** 30
 

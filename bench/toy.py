@@ -82,6 +82,8 @@ _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --section
          f"{a.split('=')[0]}={a.split('=', 1)[1]!r}" if a.split('=')[0] in ('--sections', '--ablations') else a
          for a in sys.argv[1:]]
 config = configure(globals(), _argv, rules=dict(sections=list_of(*'012345'), ablations=list_of(*'abcdefgh')))
+if first_seed >= seeds:
+    raise SystemExit(f'config error: first_seed must be below seeds ({seeds}), got {first_seed}')
 # -----------------------------------------------------------------------------
 if quick:  # every section, tiny: a smoke test of the whole bench, never over the committed results
     out = os.path.join(tempfile.gettempdir(), 'bench_quick') if out == 'results' else out

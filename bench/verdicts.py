@@ -58,7 +58,10 @@ run = True              # False: only the report, from the cells already cached
 threads = 1             # torch threads of every train.py (2 processes x 1 thread on 2 cores)
 thresholds = (0.65, 0.70)  # comparison 5: held-out composite to reach
 late_iters = 20         # a run's composite, VQ, manifold = the mean of its evaluations at iterations >= iters - 20
-config = configure(globals())
+config = configure(globals(), rules=dict(  # the G=8 cells draw prompts // 2 prompts of 8 clips
+    prompts=((lambda v: v >= 2 and v % 2 == 0), 'an even count >= 2 (the G=8 cells draw half as many)')))
+if worker >= workers:
+    raise SystemExit(f'config error: worker must be below workers ({workers}), got {worker}')
 # -----------------------------------------------------------------------------
 C.setup(out, threads, budget_min)
 REF = dict(sampler='sage', equalizer=True, kl_strategy='dual')

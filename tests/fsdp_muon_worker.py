@@ -1,7 +1,9 @@
 """
-Worker for tests/test_optimizer.py: the same two optimizer steps (optimizer.build, 'muon' or 'adamw')
-on a small model sharded with FSDP2 over 2 CPU ranks (gloo) and on an unsharded copy in one process
-give the same weights. Every rank also runs the one-process reference (same seed, the whole batch),
+Worker for tests/test_optimizer.py: two optimizer steps of optimizer.build ('muon' or 'adamw') on a
+small model sharded with FSDP2 over 2 CPU ranks (gloo) give the weights of torch's own optimizers
+(torch.optim.Muon + AdamW as the released split, or AdamW) on an unsharded copy in one process, at a
+weight decay that is neither torch's default (AdamW 0.01, Muon 0.1) nor train.py's: a decay that build
+does not pass on fails. Every rank also runs the one-process reference (same seed, the whole batch),
 so the comparison needs no file. Exits non-zero on failure; prints the largest difference.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_muon_worker.py muon
@@ -18,10 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from optimizer import build  # noqa: E402
+from optimizer import ADAMW_BETAS, ADAMW_EPS, ADJUST_LR, MOMENTUM, build  # noqa: E402
 
 DIM = 16  # rows split 8 + 8 over 2 ranks; the head's 5 rows split 3 + 2 (an uneven shard)
 LR = 1e-2  # large enough that two steps move every weight well above float noise
+WD = 0.3  # decays the weights by 0.6% in two steps: ~1e-3, vs the 1e-5 tolerance
 
 
 class Net(nn.Module):
@@ -45,6 +48,16 @@ def batches(step):
     return torch.randn(8, DIM, generator=g), torch.randn(8, 5, generator=g)  # the global batch
 
 
+def torch_optimizers(model, kind):
+    """torch's own optimizers with every hyperparameter written out: the one-process reference."""
+    if kind == 'adamw':
+        return [torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)]
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    return [torch.optim.Muon(matrices, lr=LR, weight_decay=WD, momentum=MOMENTUM, nesterov=True, adjust_lr_fn=ADJUST_LR),
+            torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=LR, betas=ADAMW_BETAS, eps=ADAMW_EPS,
+                              weight_decay=WD)]
+
+
 def run(kind, rank, world):
     """Two steps on both models; returns (largest |fsdp - one process|, smallest largest-move of a tensor)."""
     torch.manual_seed(0)
@@ -53,7 +66,7 @@ def run(kind, rank, world):
     for block in model.blocks:
         fully_shard(block, mesh=init_device_mesh('cpu', (world,)))
     fully_shard(model, mesh=init_device_mesh('cpu', (world,)))
-    opt_ref, opt = build(ref, kind, LR, 0.01), build(model, kind, LR, 0.01)
+    opt_ref, opt = torch_optimizers(ref, kind), build(model, kind, LR, WD)
     assert len(opt) == (2 if kind == 'muon' else 1)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     for step in range(2):

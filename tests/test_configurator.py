@@ -61,6 +61,10 @@ TRAIN = [
     ('save_every', [-1], 0, 'at least 0'),
     ('keep_checkpoints', [0], 1, 'at least 1'),
     ('diag_every', [-1], 0, 'at least 0'),
+    ('eval_steps', [-1], 0, 'at least 0'),  # -1 sampled the evaluation with no step: pure noise, scored
+    ('sde_window', [-1], 0, 'at least 0'),  # -1 trained silently on an empty window
+    ('sp_size', [0, -2], 1, 'at least 1'),
+    ('dist_timeout', [0, -5], 1, 'greater than 0'),
     ('sampler', ['fast', 'ode', 'SAGE'], 'cps', "'sage', 'cps'"),
     ('kl_strategy', ['dul', ''], 'stepwise', "'none', 'fixed', 'stepwise', 'moving', 'dual'"),
     ('optimizer', ['sgd'], 'muon', "'muon', 'adamw'"),
@@ -92,7 +96,37 @@ SAMPLE = [
      'file not found'),
 ]
 BENCH = [('sections', ['7', '1,9'], '0,5', "'0', '1'"), ('ablations', ['z'], 'a,h', "'a', 'b'"),
-         ('threads', [0], 1, 'at least 1'), ('seeds', [0], 1, 'at least 1'), ('eta', [-0.5], 0.5, 'greater than 0')]
+         ('threads', [0], 1, 'at least 1'), ('seeds', [0], 1, 'at least 1'), ('eta', [-0.5], 0.5, 'greater than 0'),
+         ('group', [1], 2, 'at least 2'), ('bench_prompts', [0, 17], 16, 'at least 1 and at most 16'),
+         ('grad_clips', [0, 17], 1, 'at least 1 and at most 16'), ('search_iters', [0], 1, 'at least 1'),
+         ('train_iters', [0], 1, 'at least 1'), ('train_prompts_per_iter', [0], 1, 'at least 1'),
+         ('acting_kl_max', [0.0], 1e-6, 'greater than 0'), ('budget_min', [-1.0], 0.0, 'at least 0'),
+         ('first_seed', [-1], 0, 'at least 0'), ('first_seed', [3, 4], 2, 'below seeds (3)'),  # 3: nothing to run
+         ('cost_iters', [1], 2, 'at least 2')]
+COMPUTE = [('prompts', [0], 1, 'at least 1'), ('evals', [0], 1, 'at least 1'), ('smooth', [0], 1, 'at least 1'),
+           ('max_iters_factor', [0.5], 1.0, 'at least 1'), ('full_iters', [0], 1, 'at least 1'),
+           ('full_gpus', [0], 1, 'at least 1'), ('iters', [0], 1, 'at least 1'), ('workers', [0], 1, 'at least 1'),
+           ('worker', [-1], 0, 'at least 0'), ('worker', [1, 2], 0, 'below workers (1)'),  # 1 of 1: no runs
+           ('budget_min', [-1.0], 0.0, 'at least 0'), ('seeds', [0], 1, 'at least 1')]
+VERDICTS = [('prompts', [0, 3], 2, 'an even count'), ('iters', [0], 1, 'at least 1'),
+            ('eval_every', [-1], 0, 'at least 0'), ('tr_kl_max', [0.0], 1e-3, 'greater than 0'),
+            ('tr_updates', [0], 1, 'at least 1'), ('match_tol', [0.0], 0.01, 'greater than 0'),
+            ('late_iters', [-1], 0, 'at least 0'), ('thresholds', [(), (0.65, 2.5), (0.0,)], (2.0,), 'in (0, 2]'),
+            ('worker', [1], 0, 'below workers (1)'), ('workers', [0], 1, 'at least 1')]
+FULLSIZE = [('gpus', [0], 1, 'at least 1'), ('clips', [0], 1, 'at least 1'), ('gpu_gb', [0.0], 1.0, 'greater than 0'),
+            ('tflops', [0.0, -1.0], 1.0, 'greater than 0'), ('videoalign_params', [-1.0], 0.0, 'at least 0'),
+            ('metrics_params', [-1.0], 0.0, 'at least 0'), ('processor', ['flash'], 'diffusers', "'masked_keys'"),
+            ('only', ['train,gpu'], 'lora,sp', "'train', 'rollout', 'lora', 'diffusers', 'sp'"),
+            ('sizes', [((352, 620),), (), ((352,),)], ((16, 16),), 'pairs, each a multiple of 16'),
+            ('sp_clips', [((80, 480, 848),), ((81, 480, 840),)], ((1, 16, 16),), '1 + 4k frames'),
+            ('lora_sizes', [((81, 352),)], ((5, 32, 32),), '1 + 4k frames'),
+            ('text_tokens', [(0, 256), (1000,)], (1, 1), 'token counts >= 1'),
+            ('sp_sizes', [(0, 2), ()], (1,), 'degrees >= 1'), ('num_steps', [0], 1, 'at least 1')]
+OTHER = {'bench.gpu_check': [('blocks', [0], 1, 'at least 1'), ('phase_timeout', [0, -1], 1, 'greater than 0'),
+                             ('width', [100], 16, 'multiple of 16')],
+         'bench.rehearsal': [('blocks', [0], 1, 'at least 1'), ('num_frames', [8], 9, '1 + 4k')],
+         'bench.checkpoint': [('parts', ['checkpoint,disk'], 'prompts', "'checkpoint', 'prompts'")],
+         'bench.credit': [('repeats', [0], 1, 'at least 1')]}
 
 
 def fmt(v):  # the command-line form of a value (strings stay bare words, tuples python literals)
@@ -114,26 +148,37 @@ def run_script(monkeypatch, script, args):
     raise AssertionError(f'{script} {args} ran past its sentinel')
 
 
+@pytest.mark.filterwarnings('ignore:.*found in sys.modules:RuntimeWarning')  # bench.compute imported them
 @pytest.mark.parametrize('script,cases,base', [
     ('train.py', TRAIN, ['config/toy.py']),
     ('sample.py', SAMPLE, ['--checkpoint=']),
     ('-m bench.toy', BENCH, []),
-])
+    ('-m bench.compute', COMPUTE, []),
+    ('-m bench.verdicts', VERDICTS, []),
+    ('-m bench.fullsize', FULLSIZE, []),
+] + [(f'-m {m}', cases, []) for m, cases in OTHER.items()])
 def test_every_range_one_line_before_anything(monkeypatch, tmp_path, script, cases, base):
+    import configurator
     import model
     import preemption
     from bench import common
+    from test_verdicts import load
     monkeypatch.chdir(ROOT)
+    load('verdicts'), load('fullsize')  # imported by bench.compute: their own settings at the defaults
     # the first thing each script does after its settings: preemption.Preemption (train.py, after the
-    # distributed setup), model.family (sample.py), bench.common.setup (bench.toy)
+    # distributed setup), model.family (sample.py), bench.common.setup (bench.toy, .compute, .verdicts,
+    # after their one-line checks of two settings together); the other benches: configure's return
     monkeypatch.setattr(preemption, 'Preemption', stop)
     monkeypatch.setattr(model, 'family', stop)
     monkeypatch.setattr(common, 'setup', stop)
+    if script[3:] in OTHER or script == '-m bench.fullsize':
+        configure = configurator.configure
+        monkeypatch.setattr(configurator, 'configure', lambda *a, **kw: stop(configure(*a, **kw)))
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'kept.txt').write_text('written before')
     before = {f: os.path.getmtime(out / f) for f in os.listdir(out)}
-    flag = '--out' if script == '-m bench.toy' else '--out_dir'
+    flag = '--out_dir' if script in ('train.py', 'sample.py', '-m bench.fullsize') else '--out'
     args = base + [f'{flag}={out}']
     assert run_script(monkeypatch, script, args) == 'passed'  # the defaults pass
     for key, bad, good, allowed in cases:

@@ -1,13 +1,15 @@
 """optimizer.py: the released Muon + AdamW split, correct under FSDP2.
 
-- the same two optimizer steps on 2 FSDP2 ranks (torchrun, gloo) and in one process give the same
-  weights to float tolerance, for 'muon' and 'adamw' (tests/fsdp_muon_worker.py);
+- two optimizer steps on 2 FSDP2 ranks (torchrun, gloo) give the weights of torch's own optimizers in
+  one process to float tolerance, for 'muon' and 'adamw', at weight decay 0.3 (tests/fsdp_muon_worker.py);
 - the check has teeth: torch.optim.Muon as it ships (Newton-Schulz through DTensor's op dispatch on
   the sharded momentum) fails it;
 - the split: 2-D matrices to Muon with the released lr rule, everything else to AdamW;
 - Muon.step itself, in one process: 3 steps equal torch.optim.Muon's with the released settings, and
   the released rule written out here (Nesterov momentum, 5 Newton-Schulz iterations, lr * 0.2 *
-  sqrt(max(A, B)), decoupled decay) to bf16 accuracy; nesterov=False or the plain lr fails both.
+  sqrt(max(A, B)), decoupled decay) to bf16 accuracy; nesterov=False or the plain lr fails both; at
+  weight decay 0.01 and 0.3 (not torch.optim.Muon's default 0.1), and the AdamW part's decay (not
+  AdamW's default 0.01) against torch.optim.AdamW: a decay that build does not pass on fails.
 
     python -m pytest tests/test_optimizer.py
 """
@@ -16,6 +18,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,26 +85,33 @@ def released_muon(weights, grads, lr, wd, mu=0.95, steps=5, eps=1e-7):
     return weights
 
 
-def test_muon_step_matches_torch_and_the_released_rule():
+@pytest.mark.parametrize('wd', [0.01, 0.3])
+def test_muon_step_matches_torch_and_the_released_rule(wd):
     # optimizer.build's Muon, 3 steps on plain tensors (a wide and a tall matrix, fresh gradients
     # each step) vs (a) torch.optim.Muon with the released settings written here and (b) the released
     # rule from scratch. Fails with nesterov=False in build (steps 2, 3 differ) and with the plain lr in
-    # Muon.step (0.2 sqrt(64) = 1.6x: the update's size is off by 60%), each at (a) and at (b).
+    # Muon.step (0.2 sqrt(64) = 1.6x: the update's size is off by 60%), each at (a) and at (b); and with
+    # the decay not passed on (torch.optim.Muon's default 0.1 instead: (a) off by 2.2e-2 at wd 0.01 and
+    # 4.9e-2 at wd 0.3, measured, vs its 1e-6). A vector of the same model goes to the AdamW part:
+    # torch.optim.AdamW at this decay gives its values (the decay not passed on: 3.6e-2 off at wd 0.3).
     from optimizer import build
-    lr, wd = 0.02, 0.1
+    lr = 0.02
     gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(32, 64, generator=gen), torch.randn(64, 16, generator=gen)]  # (A, B), both sides 64 max
+    start = [torch.randn(32, 64, generator=gen), torch.randn(64, 16, generator=gen), torch.randn(16, generator=gen)]
     grads = [[torch.randn(w.shape, generator=gen) for w in start] for _ in range(3)]
     ours, theirs = torch.nn.ParameterList([w.clone() for w in start]), [torch.nn.Parameter(w.clone()) for w in start]
-    (muon,) = build(ours, 'muon', lr, wd)  # only 2-D matrices: no AdamW part
-    torch_muon = torch.optim.Muon(theirs, lr=lr, weight_decay=wd, momentum=0.95, nesterov=True,
+    muon, adamw = build(ours, 'muon', lr, wd)  # the matrices, the vector
+    torch_muon = torch.optim.Muon(theirs[:2], lr=lr, weight_decay=wd, momentum=0.95, nesterov=True,
                                   adjust_lr_fn='match_rms_adamw')
+    torch_adamw = torch.optim.AdamW(theirs[2:], lr=lr, betas=(0.95, 0.95), eps=1e-8, weight_decay=wd)
     for step_grads in grads:
-        for opt, ws in ((muon, list(ours)), (torch_muon, theirs)):
+        for opts, ws in (((muon, adamw), list(ours)), ((torch_muon, torch_adamw), theirs)):
             for w, g in zip(ws, step_grads):
                 w.grad = g.clone()
-            opt.step()
-    reference = released_muon(start, grads, lr, wd)
+            for opt in opts:
+                opt.step()
+    assert (ours[2] - theirs[2]).abs().max().item() < 1e-7  # AdamW: the same arithmetic
+    reference = released_muon(start[:2], [g[:2] for g in grads], lr, wd)
     for w0, w, t, r in zip(start, ours, theirs, reference):
         diff = (w - t).abs().max().item()
         assert diff < 1e-6, diff  # the same arithmetic as torch's step (measured: 0)
