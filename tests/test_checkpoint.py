@@ -240,6 +240,57 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
     assert checkpoint.read_tensors(path, 'optim')
 
 
+def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
+    """The unpickler in use: a real checkpoint whose .metadata is replaced by a payload (and loop.json's
+    size and crc32 of it updated, as whoever can write one file can write the other) passes
+    candidates() (it checks bytes, it unpickles nothing) and is then refused with the unpickler's error
+    by every reader of a checkpoint: load and resume (train.py's --init_from=resume), export (resolve:
+    a checkpoint or an out_dir), load_weights (sample.py) and read_tensors. The payloads run under plain
+    pickle: an undotted torch callable (torch.save writes a file) and a dotted name walked through a
+    module DCP imports (os.makedirs). Were any of them to read .metadata with DCP's own reader
+    (pickle.load), the payload would run: the marker file would exist and no UnpicklingError come."""
+    import zlib
+    import toy  # noqa: F401  (plugs the toy world into model.py)
+    from model import load_policy
+    from trust_region import Anchor
+    base = os.path.join(ROOT, 'assets/toy')
+    policy = load_policy(base, 'cpu')
+    opts = [torch.optim.AdamW(policy.parameters())]
+    for p in policy.parameters():
+        p.grad = torch.randn_like(p)
+    opts[0].step()
+    out = str(tmp_path / 'out')
+    ckpt = checkpoint.save(os.path.join(out, 'ckpt_000001'), policy, opts, Anchor(policy).state_dict(),
+                           dict(iter_num=1, config=dict(model=base, lora_rank=0)))
+    marker = str(tmp_path / 'ran')
+    payloads = {'torch.save': _call('torch', 'save', {}, marker),
+                'torch.distributed.checkpoint.filesystem.os.makedirs':
+                    _call('torch.distributed.checkpoint.filesystem', 'os.makedirs', marker)}
+    for name, payload in payloads.items():
+        pickle.loads(payload)  # the payload is real: plain pickle runs it
+        assert os.path.exists(marker), name
+        os.system(f'rm -rf {marker}')
+        with open(os.path.join(ckpt, '.metadata'), 'wb') as f:
+            f.write(payload)
+        loop = checkpoint.read_loop(ckpt)
+        loop['files']['.metadata'] = [len(payload), zlib.crc32(payload)]
+        with open(os.path.join(ckpt, 'loop.json'), 'w') as f:
+            json.dump(loop, f)
+        assert checkpoint.candidates(out, collective=False) == [ckpt]  # intact, byte for byte
+        refused = f'{name} is not allowed in a DCP .metadata file'
+        checkpoint._published.discard(ckpt)  # saved by this process: a save would skip it, a load not
+        for read in (lambda: checkpoint.load(ckpt, policy, opts, Anchor(policy)),
+                     lambda: checkpoint.export(out, str(tmp_path / 'export'), torch.float32),
+                     lambda: checkpoint.export(ckpt, str(tmp_path / 'export'), torch.float32),
+                     lambda: checkpoint.load_weights(ckpt, load_policy(base, 'cpu')),
+                     lambda: checkpoint.read_tensors(ckpt, 'optim')):
+            with pytest.raises(pickle.UnpicklingError, match=refused):
+                read()
+        with pytest.raises(SystemExit, match=f'cannot resume from {ckpt}: UnpicklingError: {refused}'):
+            checkpoint.resume([ckpt], policy, opts, Anchor(policy), log=lambda m: None)
+        assert not os.path.exists(marker) and not os.path.exists(tmp_path / 'export'), name
+
+
 def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
     """checkpoint.export writes beside the destination and renames: an export that fails mid-write
     (disk full: a half-written weights file, then an error) leaves the previous export whole, or
