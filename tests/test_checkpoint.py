@@ -11,7 +11,9 @@ resume code), tested as a user meets it: real signals on running toy runs, then 
   named and skipped.
 - the export (bf16) loads with diffusers' from_pretrained and gives the policy's velocity (the
   fp32, LoRA and HunyuanVideo-pipeline checks are in test_train.py).
-- the prompt cache reads back what was encoded, from memory-mapped shards.
+- the prompt cache reads back what was encoded, from memory-mapped shards, and is rebuilt, not
+  read, for another model's text encoder;
+- a crafted .metadata is refused by every reader of a checkpoint (the unpickler in use).
 """
 import io
 import json
@@ -162,6 +164,51 @@ def test_prompt_cache_reads_back_what_was_encoded(tmp_path):
     assert len(cache) == len(prompts) and len([f for f in os.listdir(path) if f.endswith('.safetensors')]) == 4
     for p in prompts:
         assert all(torch.equal(a, b) for a, b in zip(cache[p], ref[p]))
+
+
+def test_prompt_cache_rebuilt_for_another_text_encoder(tmp_path):
+    """An out_dir's cache holds one model's embeddings: built for the toy, then asked for another model
+    (the toy with another text table: another text encoder) and fewer prompts, it serves that
+    encoder's embeddings of those prompts and nothing of the toy's (a prompt not asked for again is
+    gone, not served stale); a model whose encoder fails on the first chunk leaves the cache as it
+    was; back to the toy, the toy's again. The reference is model.encode_prompts of each model.
+    Fails if the cache is keyed by prompt only (the toy's embeddings would be read for the other)."""
+    import shutil
+    import model as M
+    import prompt_cache
+    import toy
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / 'other'  # the toy, but another text table (shared transformer)
+    other.mkdir()
+    shutil.copy(os.path.join(toy.DIR, 'model_index.json'), other)
+    os.symlink(os.path.abspath(os.path.join(toy.DIR, 'transformer')), other / 'transformer')
+    table = load_file(os.path.join(toy.DIR, 'text_embeddings.safetensors'))['embeddings']
+    save_file({'embeddings': torch.randn(table.shape, generator=torch.Generator().manual_seed(0))},
+              str(other / 'text_embeddings.safetensors'))
+    prompts, path = toy.all_prompts()[:9] + [''], str(tmp_path / 'pc')
+
+    def shards():
+        return sorted(f for f in os.listdir(path) if f.endswith('.safetensors'))
+
+    def holds(model, asked):
+        cache, want = prompt_cache.PromptCache(path), M.encode_prompts(model, asked)
+        assert len(cache) == len(asked) and all(p in cache for p in asked)
+        return all(torch.equal(a, b) for p in asked for a, b in zip(cache[p], want[p]))
+
+    prompt_cache.build(path, toy.DIR, prompts, chunk=4)
+    assert holds(toy.DIR, prompts) and len(shards()) == 3
+    toy_embeds = M.encode_prompts(toy.DIR, prompts)
+    prompt_cache.build(path, str(other), prompts[:5], chunk=4)  # another model, fewer prompts
+    assert holds(str(other), prompts[:5]) and len(shards()) == 2  # the toy's shards are gone
+    cache = prompt_cache.PromptCache(path)
+    assert not any(torch.equal(cache[p][0], toy_embeds[p][0]) for p in prompts[:5] if p)  # not the toy's
+    with pytest.raises(KeyError):
+        cache[prompts[7]]  # the toy's, not asked for again: not served
+    with pytest.raises(SystemExit, match="'purple' not in the toy vocabulary"):  # fails on the first chunk
+        prompt_cache.build(path, toy.DIR, ['a purple circle moving left'])
+    assert holds(str(other), prompts[:5]) and len(shards()) == 2  # as it was
+    prompt_cache.build(path, toy.DIR, prompts, chunk=4)
+    assert holds(toy.DIR, prompts) and len(shards()) == 3
 
 
 def _call(module, name, *args):

@@ -13,12 +13,15 @@ timings and memory are left out. What it pins:
 - evaluation with items that do not divide over ranks x rollout_batch (3 items at rollout_batch 1, 9 at 2):
   every rank runs the same number of forward batches (the ranks used to run 2 and 1: gloo aborted);
 - what the update does not need is freed before it, gradients after it (a 1-process run, checked from
-  inside train.py at every rollout, evaluation and update).
+  inside train.py at every rollout, evaluation and update);
+- evaluate.HeldOut with eval_samples > 1 (in this process): each sample of a prompt has its own noise
+  and score, and every evaluation draws the same items.
 Cost: ~60 s of CPU time for the file (3 one-process and 2 torchrun runs of the toy); 1-2 min wall on 2 loaded cores.
 """
 import math
 
 import pytest
+import torch
 
 from test_train import metrics, run, weights
 
@@ -96,3 +99,47 @@ def test_update_and_rollout_hold_only_what_they_need(tmp_path):
     grads, kept = [v for k, v in seen if k == 'grads'], [v for k, v in seen if k == 'kept']
     assert len(grads) == 1 + 2 + 2 + 1 and len(kept) == 2, seen  # eval, 2 x 2 rollout batches, eval; 2 updates
     assert grads == [0] * len(grads) and kept == [[]] * 2, seen
+
+
+class NoPreemption:  # evaluate.HeldOut's preemption: no signal handlers installed in the test process
+    def begin(self, save, *stateful):
+        pass
+
+    def point(self):
+        pass
+
+
+def test_held_out_samples_of_a_prompt_have_their_own_seeds(tmp_path, monkeypatch):
+    # evaluate.HeldOut with eval_samples 3 on the toy, in this process, 2 prompts (6 items, batches of
+    # 4 and 2): the initial noises of one prompt's samples differ pairwise, so do their held-out scores
+    # (a seed per prompt instead of per item would make the 3 samples one), the mean is that of the 6
+    # items' scores, and a second evaluation draws the same 6 noises (the items are fixed for the run)
+    import evaluate
+    import model as M
+    import prompt_cache
+    import sde
+    import toy
+    prompts = ['a red circle moving left', 'a blue square moving up']
+    cache = prompt_cache.PromptCache(prompt_cache.build(str(tmp_path / 'pc'), toy.DIR, prompts + ['']))
+    noises, rows = [], []
+    draw, score = evaluate.noise, evaluate.HeldOut.score
+    monkeypatch.setattr(evaluate, 'noise', lambda *a: noises.append(draw(*a)) or noises[-1])
+    monkeypatch.setattr(evaluate.HeldOut, 'score', lambda self, *a: rows.extend(score(self, *a)) or rows[-len(a[1]):])
+    held_out = evaluate.HeldOut(
+        prompts, 3, seed=0, sigmas=sde.sigmas(4, 3.0), cfg=1.0, shape=toy.LATENT_SHAPE,
+        text_for=lambda ps: (M.batch_text(cache, ps, 'cpu'), M.batch_text(cache, [''] * len(ps), 'cpu')),
+        batch=4, decode=M.load_decoder(toy.DIR, 'cpu'), reward_fn=toy.reward, reward_weights=(0.5, 0.5, 1.0),
+        manifold_distance=toy.manifold_distance, visual={}, move_visual=lambda *a: None, fps=toy.FPS,
+        out_dir=str(tmp_path), videos=0, dp_rank=0, dp_world=1, leads=True, passes=dict.fromkeys(M.PASS_KINDS, 0),
+        preemption=NoPreemption(), device='cpu')
+    policy = M.load_policy(toy.DIR, 'cpu')
+    means = held_out(policy, 0, lambda: None)
+    x = torch.cat(noises)  # (6, C, F, h, w): item i is prompt i % 2
+    assert len(x) == len(rows) == 6
+    for p in range(2):
+        items = [p, p + 2, p + 4]
+        assert all(not torch.equal(x[i], x[j]) for i in items for j in items if i < j), p
+        assert len({rows[i]['composite'] for i in items}) == 3, [rows[i] for i in items]
+    assert means['composite'] == pytest.approx(sum(r['composite'] for r in rows) / 6, rel=1e-6)
+    held_out(policy, 1, lambda: None)
+    assert torch.equal(torch.cat(noises[2:]), x)
