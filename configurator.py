@@ -97,7 +97,7 @@ RULES = dict(
     sp_size=number(1),  # it must divide the world size and the heads (16; the toy's 3): train.py and sp.py check
     shard_size=number(0, then=" (0: one node's ranks)"),  # it must divide the world size: parallel.py checks
     dist_timeout=number(0, lo_open=True, then=' (minutes)'),
-     solo_timeout=number(0, lo_open=True),
+    solo_timeout=number(0, lo_open=True, then=" (minutes)"),
     # I/O
     eval_every=number(0), eval_samples=number(1), eval_videos=number(0), save_every=number(0),
     keep_checkpoints=number(1), diag_every=number(0), num_prompts=number(1),

@@ -6,6 +6,7 @@ Counting the work and the SDE window (issue 24). python -m pytest tests/test_com
 - train.py (subprocesses): a window covering every step is bitwise today's run (weights, metrics);
   with a window, only its steps are trained and step t's loss is scaled by S_t of that very step,
   the median over the window (recorded at train.py's loss pieces, computed here from the formulas);
+  a windowed run resumed equals the uninterrupted one bitwise (weights, optimizer state, figures);
   the logged transformer passes equal a hand count from the settings, across a resume, and on 2
   ranks under torchrun (gloo), where both ranks train the same window; bench/compute.py's formula
   for the passes of a setting equals that count; its verdicts on fabricated curves with known answers.
@@ -199,11 +200,25 @@ def check_window(rec, w, world=1):
 def test_window_trains_only_its_steps_with_their_own_scales_and_counts_survive_resume(tmp_path):
     out, rec, runner = str(tmp_path / 'win'), str(tmp_path / 'rec'), tmp_path / 'recorder.py'
     runner.write_text(RECORDER)
-    args = [str(runner)] + SMALL + [f'--out_dir={out}', '--sde_window=2', '--timestep_fraction=1.0', '--cfg=2.0']
+    window = ['--sde_window=2', '--timestep_fraction=1.0', '--cfg=2.0']
+    args = [str(runner)] + SMALL + window + [f'--out_dir={out}']
     run(args + ['--max_iters=2'], env={'RECORD': rec + 'a'})  # saves at iteration 2
     run(args + ['--max_iters=3', '--init_from=resume'], env={'RECORD': rec + 'b'})
     windows = check_window(rec + 'a', 2) + check_window(rec + 'b', 2)
     assert len(windows) == 3 and len(set(map(tuple, windows))) > 1  # the window moves between iterations
+    # the same 3 iterations uninterrupted: bitwise the resumed run (weights, optimizer state, every logged
+    # figure of the training rows but the evaluation count: the first run also evaluated at its end)
+    ref = str(tmp_path / 'ref')
+    run(SMALL + window + [f'--out_dir={ref}', '--max_iters=3'])
+    wa, wb = weights(ref), weights(out)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    import checkpoint
+    oa, ob = (checkpoint.read_tensors(os.path.join(d, 'ckpt_000003'), 'optim') for d in (ref, out))
+    # (the resumed run also holds a zero state for the weights that never get a gradient: checkpoint.py)
+    assert oa and set(oa) <= set(ob) and all(torch.equal(oa[k], ob[k]) for k in oa)
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem', 'passes_eval'))}  # noqa: E731
+    ra, rb = ([drop(r) for r in metrics(d) if 'reward' in r] for d in (ref, out))
+    assert ra == rb and len(ra) == 3
     # counts by hand: 2 trained steps a clip, 2 CFG branches; evaluations at iteration 0 and at the end
     # of the first run (2) are in the resumed run's iteration 3, the one at its end (3) comes after
     kw = dict(n_train=2, cfg=2.0)

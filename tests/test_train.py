@@ -3,7 +3,8 @@ train.py and sample.py end to end, as a user runs them (subprocesses):
 - two toy iterations in one process and under torchrun --nproc_per_node=2 (FSDP2, gloo): finite
   losses, rewards logged, a checkpoint written; the same under torchrun --max-restarts=3 with rank 1
   SIGKILLed mid-run: the restarted group continues from the last checkpoint to the same weights,
-  bitwise, and logs each iteration once;
+  bitwise, and logs each iteration once; cps, flow and dance through the loop (an iteration
+  each, inside other tests' runs): finite figures, the trained steps capped at the stochastic ones;
 - resume is exact: 4 iterations in one go == 2 + resume + 2, bitwise, on CPU in one process
   (checkpoints are sharded DCP directories, read here with checkpoint.read_tensors);
 - the real HunyuanVideo 1.5 path with tiny random diffusers parts and the tiny VideoAlign of the
@@ -66,6 +67,15 @@ def check_run(out, iters):
     w = weights(out)
     assert w and all(torch.isfinite(t).all() for t in w.values())
     return rows
+
+
+def check_sampler(out, sampler, n_train, clips=4):
+    """One iteration of `sampler` through the loop (check_run: finite figures and weights), each clip
+    trained on n_train steps: timestep_fraction of the sampler's stochastic steps, by hand from
+    docs/method.md section 2 (cps: its last step has std 0 and is never trained; flow, dance, sage:
+    all of them). The count is the logged transformer passes of the update and of the anchor."""
+    (row,) = check_run(out, 1)
+    assert row['passes_update'] == row['passes_anchor'] == clips * n_train, (sampler, row)
 
 
 @pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
@@ -146,11 +156,14 @@ def restarted(args, out, tmp):
 
 def test_ratio_max_logged_against_the_clip(tmp_path):
     # two optimizer steps per rollout batch at a large lr: the second one sees ratios far from 1, and the
-    # logged max |ratio - 1| is above the clip exactly when some ratios were clipped
+    # logged max |ratio - 1| is above the clip exactly when some ratios were clipped. The run also takes
+    # cps through the loop: every stochastic step trained, 3 of its 4 (the last is deterministic)
     out = str(tmp_path / 'r')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--updates_per_iter=2', '--learning_rate=1e-2'])
+    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--updates_per_iter=2', '--learning_rate=1e-2', '--sampler=cps',
+                 '--timestep_fraction=1.0'])
     (row,) = [r for r in metrics(out) if 'reward' in r]
     assert row['ratio_max'] > 1e-4 and row['clipfrac'] > 0, row
+    check_sampler(out, 'cps', 3)
 
 
 def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path):
@@ -216,7 +229,8 @@ def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
 
 def test_sample_writes_videos_and_contact_sheet(tmp_path):
     ckpt = str(tmp_path / 'ck')
-    run(SMALL + [f'--out_dir={ckpt}', '--max_iters=1'])
+    run(SMALL + [f'--out_dir={ckpt}', '--max_iters=1', '--sampler=dance'])  # dance through the loop too
+    check_sampler(ckpt, 'dance', 2)  # the toy's timestep_fraction 0.5 of 4 stochastic steps
     from tiny_clip import make_tiny_clip
     clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'samples')
@@ -264,8 +278,9 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
 
 def test_lora_trains_only_adapters_and_exports(tmp_path):
     out = str(tmp_path / 'lora')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4', '--export_dtype=float32'])
-    check_run(out, 1)
+    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4', '--export_dtype=float32', '--sampler=flow',
+                 '--timestep_fraction=1.0'])
+    check_sampler(out, 'flow', 4)  # flow through the loop too: all 4 steps stochastic
     w = weights(out)  # the checkpoint holds the adapters and nothing else
     assert w and all('lora' in k for k in w), list(w)[:5]
     assert any(v.abs().sum() > 0 for k, v in w.items() if 'lora_B' in k)  # B started at 0 and moved
