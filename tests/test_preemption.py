@@ -1,27 +1,28 @@
 """
-Preemption under torchrun --nproc_per_node=2 (preemption.py, train.py's boundaries), with an
-iteration long enough (>= 60 s on 2 CPU cores) that finishing it would outlast the launchers' 30 s
-between SIGTERM and SIGKILL:
-- SIGTERM mid-update of a fresh run: both ranks exit 0 within 20 s, having published the checkpoint
-  of the last finished iteration (0: the base weights, no optimizer state yet; the lambda_KL
-  controller, which kl_update='backward' moves during the update, as it was at the iteration's start);
-- SIGTERM mid-rollout of the resumed run: exit 0 within 20 s, that checkpoint left as it was (not
-  rewritten);
-- the run resumed to the end equals an uninterrupted run bitwise: weights, optimizer state,
-  controller, logged figures;
-- a SIGTERM that finds a peer dead (torchrun stopping the survivors to restart the group) exits at
-  once without a checkpoint, one line, no traceback.
-Each rank's exit status is read through a small wrapper between torchrun and train.py (torchrun's
-own status is non-zero after a SIGTERM whatever its workers did).
-Without the fix (the iteration finishes first) torchrun SIGKILLs both ranks 30 s after the SIGTERM.
-Cost: four torchrun launches, two of them a whole iteration: 5.9 min of CPU (user + sys, both ranks,
-every launch), so ~3 min on 2 free cores; measured 11.6 min wall on a shared 2-core machine at load
-~10 (one iteration 324 s there). It scales with STEPS: the suite runs STEPS = 60 (~1.2 min, a ~22 s iteration: the exits take 2-4 s, so
-what they show does not depend on the iteration's length); PREEMPT_STEPS=170 python -m pytest
-tests/test_preemption.py runs the >= 60 s iteration of the issue (run by hand on 2 idle cores: a 76 s
-iteration, out in 1.1 s mid-update and 0.5 s mid-rollout; 324 s under load: 3.7 s and 2.3 s).
+Preemption under torchrun --nproc_per_node=2 (preemption.py, train.py's boundaries). The SIGTERM is sent
+at a chosen moment by a hook inside train.py (TRIGGER below: a real os.kill of the process), to ONE rank
+only, as a node of a multi-node job is signalled alone; every rank must stop at the same boundary (one
+all-reduce of the flag per boundary: a vote that needs every rank signalled fails here). One run of 2
+iterations, 2 optimizer steps each, kl_update='backward' (the controller moves in the update), cut 4 times:
+1. mid-update of a fresh run (rank 1, after the update's first backward, before its first optimizer step):
+   both ranks exit 0 within 20 s with the checkpoint of iteration 0 (the base weights, no optimizer state,
+   the controller as it was at the iteration's start); no row of iteration 1 logged;
+2. mid-rollout of the resumed run (rank 0, at the rollout's second step): exit 0 within 20 s, that
+   checkpoint not rewritten (every file's bytes and mtime as they were);
+3. after the iteration's first optimizer step (rank 1): the weights have moved, so the iteration finishes
+   (its second optimizer step) and then its checkpoint is written: iteration 1, 2 optimizer steps;
+4. during the last evaluation (rank 1, its first sampling step): exit 0 within 20 s, the checkpoint of
+   iteration 2 owes the evaluation, which the resumed run does first and logs once;
+then the run resumed to the end equals an uninterrupted run bitwise: weights, optimizer state, controller,
+every logged figure; and a SIGTERM that finds a peer dead (torchrun stopping the survivors to restart
+the group) exits at once without a checkpoint, one line, no traceback. Each rank's exit status is read through a small wrapper between torchrun and train.py.
+The moments are hooks, not timings, so the iteration can be short: STEPS sampler steps (a 1-2 s iteration
+on 2 cores). PREEMPT_STEPS=170 python -m pytest tests/test_preemption.py runs a >= 60 s iteration (longer
+than the launchers' 30 s between SIGTERM and SIGKILL, docs/method.md section 10.1): the exits stay ~1 s.
+Cost: 6 torchrun launches, ~25 s of CPU each (mostly the imports of 3 processes).
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,12 +34,10 @@ from test_train import ROOT, metrics, run, weights
 
 import checkpoint
 
-STEPS = int(os.environ.get('PREEMPT_STEPS', 60))  # sampler steps, every one trained: one iteration of 4 clips a rank (one batched forward
-             # per rollout step, one clip per update micro-step) costs ~0.35 s of CPU a step and rank,
-             # so ~60 s on 2 unloaded cores at 170; each boundary (a forward, a micro-step) is < 0.5 s
-ARGS = ['train.py', 'config/toy.py', '--prompts_per_iter=4', '--group_size=2', '--rollout_batch=4', '--train_batch=1',
-        '--timestep_fraction=1.0', f'--num_steps={STEPS}', '--diag_every=0', '--eval_every=0', '--eval_samples=1',
-        '--eval_videos=0', '--kl_update=backward', '--max_iters=1', '--export_dtype=']
+STEPS = int(os.environ.get('PREEMPT_STEPS', 4))  # sampler steps, every one trained
+ARGS = ['--prompts_per_iter=4', '--group_size=2', '--rollout_batch=4', '--train_batch=1', '--timestep_fraction=1.0',
+        f'--num_steps={STEPS}', '--diag_every=0', '--eval_every=0', '--eval_samples=1', '--eval_videos=0',
+        '--kl_update=backward', '--updates_per_iter=2', '--max_iters=2', '--save_every=0', '--export_dtype=']
 WRAP = '''import os, signal, subprocess, sys
 p = subprocess.Popen([sys.executable] + sys.argv[1:])
 signal.signal(signal.SIGTERM, lambda s, f: None)  # torchrun signals the process group: train.py has it too
@@ -47,80 +46,143 @@ with open(os.path.join(os.environ['RC_DIR'], 'rc' + os.environ['RANK']), 'w') as
     f.write(str(rc))
 sys.exit(rc)
 '''
+# train.py with a hook that SIGTERMs this process on rank $PREEMPT_RANK at the first $PREEMPT_AT of the run:
+# 'rollout' (the rollout's second step), 'update' (the update's second policy term: one backward done),
+# 'stepped' (right after the first optimizer step), 'eval' (an evaluation's first sampling step)
+TRIGGER = '''
+import os, runpy, signal, sys, time
+sys.path.insert(0, os.getcwd())  # run as a file (torchrun takes no -c): the repository root
+import evaluate, loss, model, preemption
+at, fired = os.environ['PREEMPT_AT'], []
+def term():
+    if not fired:
+        fired.append(1)
+        print(f'TRIGGER {at} {time.time():.3f}', flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+def at_step(n, boundary):  # the sampler's boundary callback, with the signal before its n-th call
+    calls = []
+    def b():
+        calls.append(1)
+        if len(calls) == n:
+            term()
+        boundary()
+    return b
+if os.environ['RANK'] == os.environ['PREEMPT_RANK']:
+    if at == 'rollout':
+        inner = model.sample
+        model.sample = lambda *a, keep=False, boundary=None, **kw: inner(
+            *a, keep=keep, boundary=at_step(2, boundary) if keep else boundary, **kw)
+    if at == 'eval':
+        inner_eval = evaluate.sample
+        evaluate.sample = lambda *a, boundary=None, **kw: inner_eval(*a, boundary=at_step(1, boundary), **kw)
+    if at == 'update':
+        terms, clipped = [], loss.clipped_surrogate
+        def surrogate(*a):
+            terms.append(1)
+            if len(terms) == 2:
+                term()
+            return clipped(*a)
+        loss.clipped_surrogate = surrogate
+    if at == 'stepped':
+        stepped = preemption.Preemption.stepped
+        def after_step(self):
+            stepped(self)
+            term()
+        preemption.Preemption.stepped = after_step
+sys.argv = sys.argv[1:]
+runpy.run_path('train.py', run_name='__main__')
+'''
 
 
-def preempt(args, out, after, tmp, delay):
-    """Start args under torchrun (each rank through WRAP), SIGTERM once `after` appears in the log
-    (plus delay s); returns (seconds from SIGTERM to the end, each rank's exit status, log)."""
+def preempt(tmp, out, rank, at, resume=True):
+    """Run ARGS under torchrun, each rank through WRAP and TRIGGER, with the SIGTERM at `at` on `rank`;
+    returns (seconds from the SIGTERM to the end, each rank's exit status, log)."""
     rc_dir = os.path.join(tmp, 'rc')
     os.makedirs(rc_dir, exist_ok=True)
     for f in os.listdir(rc_dir):
         os.remove(os.path.join(rc_dir, f))
-    with open(os.path.join(tmp, 'wrap.py'), 'w') as f:
-        f.write(WRAP)
+    for name, text in (('wrap.py', WRAP), ('trigger.py', TRIGGER)):
+        with open(os.path.join(tmp, name), 'w') as f:
+            f.write(text)
     log = os.path.join(tmp, 'log.txt')
-    env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false', RC_DIR=rc_dir)
+    env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false', RC_DIR=rc_dir, PREEMPT_AT=at,
+               PREEMPT_RANK=str(rank))
+    args = [os.path.join(tmp, 'trigger.py'), 'train.py', 'config/toy.py'] + ARGS + [f'--out_dir={out}'] + \
+        [f'--eval_prompts={tmp}/eval.txt'] + (['--init_from=resume'] if resume else [])
     with open(log, 'w') as f:
-        p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                              os.path.join(tmp, 'wrap.py')] + args + [f'--out_dir={out}'],
-                             cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    t0 = time.time()
-    while after not in open(log).read():
-        assert p.poll() is None and time.time() - t0 < 600, open(log).read()[-3000:]
-        time.sleep(0.1)
-    time.sleep(delay)
-    assert p.poll() is None
-    p.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
-    t1 = time.time()
-    p.wait(timeout=120)
-    took = time.time() - t1
+        subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        os.path.join(tmp, 'wrap.py')] + args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                       timeout=900)
+    end = time.time()
+    text = open(log).read()
+    sent = [float(t) for t in re.findall(r'TRIGGER \w+ ([0-9.]+)', text)]  # (after a progress bar, maybe)
+    assert len(sent) == 1, text[-3000:]  # signalled once, on one rank
+    assert f'rank {rank}: SIGTERM' in text and f'rank {1 - rank}: SIGTERM' not in text, text[-3000:]
     rcs = {f: open(os.path.join(rc_dir, f)).read() for f in sorted(os.listdir(rc_dir))}
-    return took, rcs, open(log).read()
+    assert rcs == {'rc0': '0', 'rc1': '0'}, (rcs, text[-3000:])
+    return end - sent[0], text
+
+
+def ckpts(out):
+    return sorted(d for d in os.listdir(out) if d.startswith('ckpt_'))
 
 
 def files_of(path):
-    return {f: (os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f))) for f in os.listdir(path)}
+    """Every file's bytes and mtime: a rewrite with the same sizes (or the same bytes) shows."""
+    return {f: (open(os.path.join(path, f), 'rb').read(), os.stat(os.path.join(path, f)).st_mtime_ns)
+            for f in os.listdir(path)}
 
 
-def test_sigterm_mid_update_and_mid_rollout_resume_bitwise(tmp_path):
+def trained(out):
+    return [r['iter'] for r in metrics(out) if 'reward' in r]
+
+
+def test_sigterm_on_one_rank_at_every_kind_of_boundary_resume_bitwise(tmp_path):
     tmp = str(tmp_path)
     with open(os.path.join(tmp, 'eval.txt'), 'w') as f:  # one held-out prompt per rank: a cheap evaluation
         f.writelines(open(os.path.join(ROOT, 'assets/toy/eval_prompts.txt')).readlines()[:2])
-    args = ARGS + [f'--eval_prompts={tmp}/eval.txt']
     ref, out = os.path.join(tmp, 'ref'), os.path.join(tmp, 'run')
-    # the uninterrupted run: one iteration of >= 60 s
-    run(args + [f'--out_dir={ref}'], torchrun=True, timeout=1800)
-    row = [r for r in metrics(ref) if 'reward' in r][0]
-    iteration = row['t_rollout'] + row['t_update']  # >= 60 s here; not asserted: a faster machine is no failure
-    print(f'one iteration: {iteration:.0f} s (rollout {row["t_rollout"]:.0f} s)')
-    # 1. SIGTERM mid-update of a fresh run: the checkpoint of iteration 0, exit 0 within 20 s
-    took, rcs, log = preempt(args, out, 'update:', tmp, delay=2)  # tqdm's bar
-    assert rcs == {'rc0': '0', 'rc1': '0'} and took < min(20, iteration / 3), (took, rcs, log[-3000:])
-    print(f'SIGTERM mid-update: out in {took:.1f} s')
-    assert 'rank 0: SIGTERM' in log and 'rank 1: SIGTERM' in log and 'preempted' in log
-    assert 'update:' in log.split('rank 0: SIGTERM')[0]  # it was in the update, several micro-steps in
+    run(['train.py', 'config/toy.py'] + ARGS + [f'--out_dir={ref}', f'--eval_prompts={tmp}/eval.txt'], torchrun=True,
+        timeout=1800)  # the uninterrupted run
+    # 1. mid-update of a fresh run: the checkpoint of iteration 0, its controller as before the update
+    took, log = preempt(tmp, out, 1, 'update', resume=False)
+    assert took < 20 and 'preempted' in log, (took, log[-3000:])
+    print(f'SIGTERM on rank 1 mid-update: out in {took:.1f} s')
+    assert ckpts(out) == ['ckpt_000000'] and trained(out) == []  # iteration 1 was cut, not finished
     ckpt = os.path.join(out, 'ckpt_000000')
-    assert sorted(d for d in os.listdir(out) if d.startswith('ckpt_')) == ['ckpt_000000']
     loop = checkpoint.read_loop(ckpt)
     assert checkpoint.damage(ckpt) is None and loop['iter_num'] == 0 and loop['opt_steps'] == 0
     assert loop['optimizer_state'] is False and loop['controller']['updates'] == 0  # restored: the update had moved it
     before = files_of(ckpt)
-    # 2. SIGTERM mid-rollout of the resumed run: exit 0 within 20 s, the checkpoint left as it was
-    took, rcs, log = preempt(args + ['--init_from=resume'], out, 'rollout:', tmp, delay=1)
-    assert rcs == {'rc0': '0', 'rc1': '0'} and took < min(20, iteration / 3), (took, rcs, log[-3000:])
-    print(f'SIGTERM mid-rollout: out in {took:.1f} s')
-    assert 'resumed from' in log and 'preempted' in log and 'update:' not in log
-    assert files_of(ckpt) == before and sorted(d for d in os.listdir(out) if d.startswith('ckpt_')) == ['ckpt_000000']
-    # 3. resumed to the end: bitwise the uninterrupted run
-    run(args + [f'--out_dir={out}', '--init_from=resume'], torchrun=True, timeout=1800)
+    # 2. mid-rollout of the resumed run: nothing has moved since that checkpoint, it is not rewritten
+    took, log = preempt(tmp, out, 0, 'rollout')
+    assert took < 20 and 'resumed from' in log and 'preempted' in log and 'update:' not in log, (took, log[-3000:])
+    print(f'SIGTERM on rank 0 mid-rollout: out in {took:.1f} s')
+    assert files_of(ckpt) == before and ckpts(out) == ['ckpt_000000'] and trained(out) == []
+    # 3. after the first of the iteration's 2 optimizer steps: the iteration ends, then its checkpoint
+    _, log = preempt(tmp, out, 1, 'stepped')
+    assert 'preempted: checkpoint of iteration 1 written' in log, log[-3000:]
+    loop = checkpoint.read_loop(os.path.join(out, 'ckpt_000001'))
+    assert loop['iter_num'] == 1 and loop['opt_steps'] == 2 and not loop['eval_owed'] and trained(out) == [1]
+    # 4. during the last evaluation: its checkpoint owes the evaluation
+    took, log = preempt(tmp, out, 1, 'eval')
+    assert took < 20 and 'preempted' in log, (took, log[-3000:])
+    print(f'SIGTERM on rank 1 mid-evaluation: out in {took:.1f} s')
+    loop = checkpoint.read_loop(os.path.join(out, 'ckpt_000002'))
+    assert loop['iter_num'] == 2 and loop['opt_steps'] == 4 and loop['eval_owed'] and trained(out) == [1, 2]
+    assert not any('eval_composite' in r and r['iter'] == 2 for r in metrics(out))
+    # resumed to the end (the owed evaluation): bitwise the uninterrupted run
+    run(['train.py', 'config/toy.py'] + ARGS + [f'--out_dir={out}', f'--eval_prompts={tmp}/eval.txt',
+                                                '--init_from=resume'], torchrun=True, timeout=1800)
     wa, wb = weights(ref), weights(out)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    oa, ob = (checkpoint.read_tensors(os.path.join(d, 'ckpt_000001'), 'optim') for d in (ref, out))
-    assert oa and oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in oa)
-    la, lb = (checkpoint.read_loop(os.path.join(d, 'ckpt_000001')) for d in (ref, out))
+    oa, ob = (checkpoint.read_tensors(os.path.join(d, 'ckpt_000002'), 'optim') for d in (ref, out))
+    # (the resumed run also holds a zero state for the weights that never get a gradient: checkpoint.py)
+    assert oa and set(oa) <= set(ob) and all(torch.equal(oa[k], ob[k]) for k in oa)
+    la, lb = (checkpoint.read_loop(os.path.join(d, 'ckpt_000002')) for d in (ref, out))
     assert la['controller'] == lb['controller'] and la['controller']['updates'] > 0
     ra, rb = ([{k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))} for r in metrics(d)] for d in (ref, out))
-    assert ra == rb, (ra, rb)
+    assert ra == rb and len(ra) == 4, (ra, rb)  # evaluation 0, iterations 1 and 2, evaluation 2
 
 
 def test_a_stop_with_a_peer_gone_exits_without_a_checkpoint():
@@ -160,4 +222,3 @@ def test_second_sigterm_or_sigint_exits_at_once(tmp_path):
                            timeout=60)
         assert r.returncode == rc, (first, r.returncode, r.stdout, r.stderr[-2000:])
         assert ('asked' in r.stdout) == (first == 'SIGTERM') and 'still here' not in r.stdout
-
