@@ -27,7 +27,7 @@ import time
 import pytest
 import torch
 
-from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, weights
+from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, train_in_process, weights
 
 import checkpoint
 
@@ -65,10 +65,16 @@ def newest(out):
     return open(os.path.join(out, 'latest')).read().strip()
 
 
+def files_of(path):
+    """Every file's bytes and mtime: a rewrite with the same sizes (or the same bytes) shows."""
+    return {f: (open(os.path.join(path, f), 'rb').read(), os.stat(os.path.join(path, f)).st_mtime_ns)
+            for f in os.listdir(path)}
+
+
 ARGS = SMALL + ['--max_iters=4', '--eval_every=1']  # an eval (and a video) every iteration
 
 
-def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
+def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, capsys):
     ref, out = str(tmp_path / 'ref'), str(tmp_path / 'run')
     run(ARGS + [f'--out_dir={ref}'])
     # 1. SIGTERM while iteration 2 runs: it finishes, checkpoints and exits 0
@@ -83,14 +89,16 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
     wait_for(lambda: k + 1 in logged(out) and any(f.startswith(f'iter{k + 1:06d}') for f in os.listdir(f'{out}/eval')), p)
     p.kill()
     p.wait()
-    # 3. resume with nothing left to do: the log and the eval videos are back at iteration k
-    run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={k}', '--export_dtype='])
+    # 3. resume with nothing left to do: the log and the eval videos are back at iteration k (in this
+    # process, train_in_process: train.py up to its loop, which has nothing to do)
+    assert train_in_process(monkeypatch, ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={k}',
+                                                 '--export_dtype=']) is None
     assert sorted(logged(out)) == [0] + sorted(list(range(1, k + 1)) * 2)  # the base model eval, then train + eval rows
     assert all(int(f[4:10]) <= k for f in os.listdir(f'{out}/eval'))
     # 4. two SIGTERMs: out at once (128 + 15), the published checkpoint untouched. The first alone stops
     # at the next forward (preemption.py), which may come before the second arrives: then exit 0 with
     # nothing rewritten (it resumed from that very checkpoint); test_preemption.py pins the 143 path
-    before = {f: os.path.getsize(os.path.join(out, newest(out), f)) for f in os.listdir(os.path.join(out, newest(out)))}
+    before = files_of(os.path.join(out, newest(out)))
     p = start(ARGS + [f'--out_dir={out}', '--init_from=resume', '--save_every=1'], out)
     wait_for(lambda: 'resumed from' in stdout(out), p)
     p.send_signal(signal.SIGTERM)
@@ -99,7 +107,7 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
         p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) in (0, 128 + signal.SIGTERM)
     assert checkpoint.damage(os.path.join(out, newest(out))) is None
-    assert before == {f: os.path.getsize(os.path.join(out, newest(out), f)) for f in before}
+    assert before == files_of(os.path.join(out, newest(out)))  # not rewritten: bytes and mtimes
     # 5. resume to the end: bitwise the uninterrupted run, each iteration logged once
     run(ARGS + [f'--out_dir={out}', '--init_from=resume'])
     check_run(out, 4)
@@ -116,10 +124,12 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
         f.write(b'\0' * 4096)
     with open(os.path.join(out, 'latest'), 'w') as f:
         f.write('ckpt_000099')
-    p = run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={int(ck[0][5:])}', '--export_dtype='])
-    assert 'names ckpt_000099, which is gone' in p.stdout
-    assert f'{ck[-1]} is damaged (__0_0.distcp has changed since it was written' in p.stdout
-    assert f'resumed from {os.path.join(out, ck[0])}' in p.stdout
+    capsys.readouterr()
+    assert train_in_process(monkeypatch, ARGS + [f'--out_dir={out}', '--init_from=resume']) is None  # (this process)
+    said = capsys.readouterr().out
+    assert 'names ckpt_000099, which is gone' in said
+    assert f'{ck[-1]} is damaged (__0_0.distcp has changed since it was written' in said
+    assert f'resumed from {os.path.join(out, ck[0])}' in said
     with open(shard, 'r+b') as f:  # truncated
         f.truncate(os.path.getsize(shard) // 2)
     assert checkpoint.damage(os.path.join(out, ck[-1])).startswith('__0_0.distcp is ')
@@ -127,8 +137,8 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path):
     # nothing intact at all: one clear line
     with open(os.path.join(out, ck[0], 'loop.json'), 'w') as f:
         f.write('{')
-    p = run(ARGS + [f'--out_dir={out}', '--init_from=resume'], check=False)
-    assert p.returncode != 0 and 'has no intact checkpoint' in p.stderr.strip().splitlines()[-1]
+    said = train_in_process(monkeypatch, ARGS + [f'--out_dir={out}', '--init_from=resume'])
+    assert said.startswith(f'init_from=resume but {out!r} has no intact checkpoint'), said
 
 
 def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path):

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from test_train import metrics, run, weights
+from test_train import NoPreemption, metrics, run, weights
 
 ARGS = ['train.py', 'config/toy.py', '--prompts_per_iter=4', '--group_size=2', '--num_steps=4', '--train_batch=2',
         '--diag_every=2', '--max_iters=3', '--eval_every=0', '--eval_videos=0', '--export_dtype=']
@@ -99,14 +99,6 @@ def test_update_and_rollout_hold_only_what_they_need(tmp_path):
     grads, kept = [v for k, v in seen if k == 'grads'], [v for k, v in seen if k == 'kept']
     assert len(grads) == 1 + 2 + 2 + 1 and len(kept) == 2, seen  # eval, 2 x 2 rollout batches, eval; 2 updates
     assert grads == [0] * len(grads) and kept == [[]] * 2, seen
-
-
-class NoPreemption:  # evaluate.HeldOut's preemption: no signal handlers installed in the test process
-    def begin(self, save, *stateful):
-        pass
-
-    def point(self):
-        pass
 
 
 def test_held_out_samples_of_a_prompt_have_their_own_seeds(tmp_path, monkeypatch):
