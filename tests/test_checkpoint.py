@@ -1,10 +1,11 @@
 """
 Training state that survives interruption (checkpoint.py, prompt_cache.py, train.py's signal and
-resume code), tested as a user meets it: real signals on running toy runs, then resume.
-- SIGTERM on one process: the iteration finishes, a checkpoint is written, exit 0; a second SIGTERM
-  exits at once and the last checkpoint stays intact; kill -9 then resume leaves each iteration in
-  metrics.jsonl once and no eval videos of lost iterations; the resumed run's weights are bitwise
-  those of an uninterrupted run.
+resume code), tested as a user meets it: real signals on running toy runs, then resume (train.py's
+own launches; the resumes that train nothing run it in this process, test_train.train_in_process).
+- SIGTERM on one process: the last finished iteration is checkpointed, exit 0; a second SIGTERM
+  exits at once and the last checkpoint stays intact (bytes and mtimes); kill -9 then resume leaves
+  each iteration in metrics.jsonl once and no eval videos of lost iterations; the resumed run's
+  weights are bitwise those of an uninterrupted run.
 - SIGTERM on torchrun (2 ranks): every rank stops after the same iteration; the checkpoint has one
   shard file per rank; it resumes in one process and back on 2 ranks (DCP reshards).
 - a damaged newest checkpoint (other bytes, or truncated) and a `latest` naming a gone one are
@@ -77,7 +78,7 @@ ARGS = SMALL + ['--max_iters=4', '--eval_every=1']  # an eval (and a video) ever
 def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, capsys):
     ref, out = str(tmp_path / 'ref'), str(tmp_path / 'run')
     run(ARGS + [f'--out_dir={ref}'])
-    # 1. SIGTERM while iteration 2 runs: it finishes, checkpoints and exits 0
+    # 1. SIGTERM once iteration 1 is logged: the last finished iteration's checkpoint, exit 0
     p = start(ARGS + [f'--out_dir={out}', '--save_every=0'], out)
     wait_for(lambda: 1 in logged(out), p)
     p.send_signal(signal.SIGTERM)

@@ -11,7 +11,8 @@ train.py and sample.py end to end, as a user runs them (subprocesses):
   reward tests: one iteration through the same loading code, FSDP on 2 CPU ranks, with CLIPScore
   and PickScore (tiny random CLIP models) logged at the held-out evaluations, and the diffusers export;
 - bad settings and bad prompt files (not UTF-8, a word outside the toy's vocabulary) fail with a
-  clear one-line message and touch nothing already written; a NaN reward drops its
+  clear one-line message and touch nothing already written (train.py run in the test process up to
+  its first iteration: train_in_process); a NaN reward drops its
   clip, and an all-NaN iteration stops the run before the update;
 - sample.py writes mp4 files that read back with the right shape, the contact sheet, and the metrics
   table (the toy's reward, CLIPScore and PickScore of tiny random CLIP models; skipped if weights are missing).

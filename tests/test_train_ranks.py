@@ -9,7 +9,8 @@ timings and memory are left out. What it pins:
   the diagnostics and one without (the diagnostics' backwards cleared them by accident, but read the
   stale sum themselves);
 - the logged loss and the diagnostics do not depend on the world size (the loss was world x too large,
-  a diagnostic norm was of rank 0's and rank 1's clip averaged by FSDP);
+  a diagnostic norm was of rank 0's and rank 1's clip averaged by FSDP); at one optimizer step per
+  rollout batch the ratio is 1 up to float noise (nothing clipped) on both;
 - evaluation with items that do not divide over ranks x rollout_batch (3 items at rollout_batch 1, 9 at 2):
   every rank runs the same number of forward batches (the ranks used to run 2 and 1: gloo aborted);
 - what the update does not need is freed before it, gradients after it (a 1-process run, checked from
@@ -52,7 +53,8 @@ def test_two_ranks_equal_one_process(tmp_path, optimizer, lr, rtol, eval_samples
                    f'--rollout_batch={rollout_batch}']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run(args + [f'--out_dir={one}'])
-    run(args + [f'--out_dir={two}'], torchrun=True)
+    p = run(args + [f'--out_dir={two}'], torchrun=True)
+    assert 'eval composite before' in p.stdout  # the last evaluation says what changed since the first
     wa, wb = weights(one), weights(two)
     assert wa.keys() == wb.keys()
     diff = math.sqrt(sum(((wa[k] - wb[k]) ** 2).sum().item() for k in wa))
@@ -60,6 +62,8 @@ def test_two_ranks_equal_one_process(tmp_path, optimizer, lr, rtol, eval_samples
     assert diff <= 1e-6 * norm, diff / norm
     ra, rb = metrics(one), metrics(two)
     assert [sorted(r) for r in ra] == [sorted(r) for r in rb]
+    # one optimizer step per rollout batch: theta == theta_old in the update, the ratio is 1 up to float noise
+    assert all(r['ratio_max'] < 1e-5 and r['clipfrac'] == 0 for r in ra + rb if 'reward' in r)
     assert sum('gnorm_first' in r for r in ra) == 2 and sum('eval_composite' in r for r in ra) == 2
     for a, b in zip(ra, rb):
         for k in set(a) - set(SKIP):
