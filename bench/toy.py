@@ -85,10 +85,17 @@ config = configure(globals(), _argv, rules=dict(sections=list_of(*'012345'), abl
 if first_seed >= seeds:
     raise SystemExit(f'config error: first_seed must be below seeds ({seeds}), got {first_seed}')
 # -----------------------------------------------------------------------------
+EVAL_PROMPTS = 16  # held-out prompts of every train.py run (the toy's)
+EXTRA = {}  # more train.py overrides of every run
 if quick:  # every section, tiny: a smoke test of the whole bench, never over the committed results
     out = os.path.join(tempfile.gettempdir(), 'bench_quick') if out == 'results' else out
     bench_prompts, search_iters, grad_clips, seeds, train_iters, cost_iters = 4, 2, 1, 1, 2, 2
     train_prompts_per_iter = 2
+    EVAL_PROMPTS = 4  # x 1 seed, and no export
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(toy.DIR, 'eval_prompts.txt')) as f, open(os.path.join(out, 'eval4.txt'), 'w') as g:
+        g.write(''.join(f.readlines()[:EVAL_PROMPTS]))
+    EXTRA = dict(eval_samples=1, eval_prompts=os.path.join(out, 'eval4.txt'), export_dtype='')
 torch.set_num_threads(threads)
 KINDS = ('sage', 'flow', 'dance', 'cps')
 TOY = {}  # the toy world's sampler settings, read from config/toy.py (num_steps, shift, cfg, ...)
@@ -144,7 +151,7 @@ def section0():
                 'noise': toy.summary(noise, prompts), 'seeds': seeds_}
     b = cell('s0_base' + ('_quick' if quick else ''), base)
     ov = dict(max_iters=1, prompts_per_iter=2, eval_every=1, save_every=0) if quick else {}
-    run = C.train('s0_default' + ('_quick' if quick else ''), ov)
+    run = C.train('s0_default' + ('_quick' if quick else ''), dict(ov, **EXTRA))
     with open(os.path.join(toy.DIR, 'pretrain.log')) as f:
         log = f.read().strip().split('\n')[-1]  # toy.py's last line: steps, time, final loss
     R['0'] = dict(base=b, run=run and dict(evals=run['evals'], wall=run['wall']), pretrain=log)
@@ -164,7 +171,8 @@ def section0():
         md += [f'`python train.py config/toy.py` (sage, eta 0.5, equalizer, dual KL, '
                f'{max(e)} iterations of {TOY["prompts_per_iter"]} prompts x G={TOY["group_size"]}, lr '
                f'{TOY["learning_rate"]:.0e}, cfg {TOY["cfg"]:g}; {int(run["wall"]) // 60} min {int(run["wall"]) % 60} s here on one CPU thread, '
-               f'one process): held-out composite (16 prompts x {TOY["eval_samples"]} seeds of train.py\'s own; iteration 0 '
+               f'one process): held-out composite ({EVAL_PROMPTS} prompts x {EXTRA.get("eval_samples", TOY["eval_samples"])} '
+               f'seeds of train.py\'s own; iteration 0 '
                f'is the base model) '
                f'**{first["composite"]:.3f} -> {mid}**; TA {first["TA"]:.2f} -> {last["TA"]:.2f} (colour '
                f'{first["colour"]:.2f} -> {last["colour"]:.2f}, direction {first["direction"]:.2f} -> '
@@ -412,7 +420,7 @@ def section2():
 # ============================================================================= 3. training ablations
 def run_train(name, overrides, nproc=1):
     """One train.py run of section 3 or 4 -> its metrics (bench/common.py's train). None if over the time budget."""
-    return C.train('s3_' + name, overrides, nproc)
+    return C.train('s3_' + name, dict(overrides, **EXTRA), nproc)
 
 
 RELEASED = dict(kl_update='backward', prompt_noise='fixed', median='lower')  # config/released.py's, on the toy
@@ -470,7 +478,7 @@ def section3():
                    f'Budget per run: `python train.py config/toy.py --max_iters={train_iters} '
                    f'--prompts_per_iter={train_prompts_per_iter}` (group_size 4 unless stated, so '
                    f'{4 * train_prompts_per_iter} clips and one optimizer step per iteration, lr 1e-4), '
-                   f'seeds 0..{seeds - 1}; final = ODE eval of the {16} held-out prompts after the last '
+                   f'seeds 0..{seeds - 1}; final = ODE eval of the {EVAL_PROMPTS} held-out prompts after the last '
                    'iteration (mean ± std over seeds). before = the same eval of the base model. '
                    'explore = mean within-group reward std over the run. kl_grad = '
                    '||grad of the KL term|| / ||grad of the policy loss|| at the middle trained step (train.py '

@@ -1,5 +1,5 @@
 """
-bench/toy.py --quick end to end (~100 s alone on 2 cores): every section runs in its reduced form and writes
+bench/toy.py --quick end to end (~110 s of CPU: its 5 train.py runs evaluate 4 held-out prompts x 1 seed): every section runs in its reduced form and writes
 finite numbers, the Markdown tables and (with matplotlib) the plots.
 
     python -m pytest tests/test_bench.py
