@@ -1,6 +1,7 @@
 """
-bench/toy.py --quick end to end (~110 s of CPU: its 5 train.py runs evaluate 4 held-out prompts x 1 seed): every section runs in its reduced form and writes
-finite numbers, the Markdown tables and (with matplotlib) the plots.
+bench/toy.py --quick end to end (~120 s of CPU; its 5 train.py runs evaluate 4 held-out prompts x 1
+seed): every section runs in its reduced form and writes finite numbers, the Markdown tables and (with
+matplotlib) the plots.
 
     python -m pytest tests/test_bench.py
 """
