@@ -61,8 +61,8 @@ TRAIN = [
     ('save_every', [-1], 0, 'at least 0'),
     ('keep_checkpoints', [0], 1, 'at least 1'),
     ('diag_every', [-1], 0, 'at least 0'),
-    ('eval_steps', [-1], 0, 'at least 0'),  # -1 sampled the evaluation with no step: pure noise, scored
-    ('sde_window', [-1], 0, 'at least 0'),  # -1 trained silently on an empty window
+    ('eval_steps', [-1], 0, 'at least 0'),  # unchecked, -1 evaluates pure noise: no sampling step
+    ('sde_window', [-1], 0, 'at least 0'),  # unchecked, -1 trains without a word
     ('sp_size', [0, -2], 1, 'at least 1'),
     ('dist_timeout', [0, -5], 1, 'greater than 0'),
     ('sampler', ['fast', 'ode', 'SAGE'], 'cps', "'sage', 'cps'"),

@@ -19,7 +19,8 @@ the group) exits at once without a checkpoint, one line, no traceback. Each rank
 The moments are hooks, not timings, so the iteration can be short: STEPS sampler steps (a 1-2 s iteration
 on 2 cores). PREEMPT_STEPS=170 python -m pytest tests/test_preemption.py runs a >= 60 s iteration (longer
 than the launchers' 30 s between SIGTERM and SIGKILL, docs/method.md section 10.1): the exits stay ~1 s.
-Cost: 6 torchrun launches, ~25 s of CPU each (mostly the imports of 3 processes).
+Cost: 6 torchrun launches, 132 s of CPU in all (measured on a loaded 2-core machine; mostly the
+imports of their 3 processes each).
 """
 import os
 import re
