@@ -90,6 +90,7 @@ SAMPLE = [
     ('eta', [-1.0, -1e-9], 0.0, 'at least 0'),
     ('num_steps', [0], 1, 'at least 1'),
     ('num_prompts', [0], 1, 'at least 1'),
+    ('samples', [0], 1, 'at least 1'),
     ('num_frames', [4], 1, '1 + 4k'),
     ('height', [24], 48, 'multiple of 16'),
     ('prompts', ['prompts/missing.txt', 'missing.csv', 'nowhere/a red circle'], 'a red circle moving left',
