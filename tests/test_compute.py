@@ -10,7 +10,7 @@ Counting the work and the SDE window (issue 24). python -m pytest tests/test_com
   the logged transformer passes equal a hand count from the settings, across a resume, and on 2
   ranks under torchrun (gloo), where both ranks train the same window; bench/compute.py's formula
   for the passes of a setting equals that count; its verdicts on fabricated curves with known answers.
-Cost: ~3 min on 2 cores under a load of ~14 (five short train.py runs, one under torchrun); less when idle.
+Cost: ~80 s of CPU (six short train.py runs, one under torchrun), measured on a loaded machine.
 """
 import json
 import math
