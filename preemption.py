@@ -13,7 +13,8 @@ resume (bitwise: every random draw is a function of (seed, iteration, clip)); af
 first optimizer step (updates_per_iter > 1) the iteration finishes first, as the weights have moved.
 A stop that finds a peer gone (torchrun SIGTERMs the survivors of a worker that died, to restart the
 group) saves nothing and exits at once: the restart resumes from the last published checkpoint.
-Tested by: python -m pytest tests/test_preemption.py (2 ranks, SIGTERM mid-update and mid-rollout).
+Tested by: python -m pytest tests/test_preemption.py (2 ranks, SIGTERM to one of them mid-update,
+mid-rollout, after an iteration's first optimizer step, mid-evaluation).
 """
 import copy
 import os
