@@ -117,7 +117,7 @@ RULES = dict(
     tflops=number(0, lo_open=True), videoalign_params=number(0), metrics_params=number(0),
     sizes=((lambda v: len(v) > 0 and all(len(s) == 2 and all(_pixels(x) for x in s) for s in v)),
            '(height, width) pairs, each a multiple of 16'),
-    sp_clips=_CLIPS, lora_sizes=_CLIPS,
+    sp_clips=_CLIPS, lora_sizes=_CLIPS, video_sizes=_CLIPS,
     text_tokens=((lambda v: len(v) == 2 and all(n >= 1 for n in v)), '(Qwen, ByT5) token counts >= 1'),
     sp_sizes=((lambda v: len(v) > 0 and all(n >= 1 for n in v)), 'sequence-parallel degrees >= 1'),
 )

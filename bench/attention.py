@@ -42,7 +42,7 @@ from configurator import configure
 gpu = False                     # --gpu: time the processors on a device instead of counting FLOPs
 tiny = False                    # --tiny: bench.fullsize's tiny transformer, 9x64x96 (a check of this script)
 device = 'cuda'                 # device of the timing
-sizes = ((81, 352, 624), (81, 480, 848))  # frames x H x W: the paper's rollout size, the model's 480p
+video_sizes = ((81, 352, 624), (81, 480, 848))  # frames x H x W: the paper's rollout size, the model's 480p
 prompt = (256, 32)              # valid Qwen and ByT5 tokens of the prompt (ByT5: quoted text)
 negative = (8, 0)               # of the negative prompt (an empty prompt: a few tokens, no quoted text)
 text_cases = ((256, 32), (128, 0), (1000, 256))  # FLOP table: prompts (Qwen, ByT5), each with `negative`
@@ -118,7 +118,7 @@ def flops_report():
     cfg = bf.load_config()
     L, hd = cfg['num_layers'], cfg['num_attention_heads'] * cfg['attention_head_dim']
     rows, raw = [], []
-    for Fr, H, W in sizes:
+    for Fr, H, W in video_sizes:
         for text in text_cases:
             m, v = (block_flops(Fr, H, W, text, negative, k) for k in ('masked_keys', 'valid_tokens'))
             # a FlexAttention block mask at its best (valid x valid): whole 128 x 128 tiles, closed form
@@ -198,7 +198,7 @@ def time_all():
         except SystemExit as e:
             avail[b] = str(e.code)
     rows = []
-    for Fr, H, W in ((9, 64, 96),) if tiny else sizes:
+    for Fr, H, W in ((9, 64, 96),) if tiny else video_sizes:
         heads, d, V, axes, grid = shapes(Fr, H, W, tiny)
         pair = ((8, 4), (3, 0)) if tiny else (prompt, negative)
         n = [sum(p) for p in pair]
