@@ -43,7 +43,7 @@ height = 64
 width = 112
 num_steps = 2                   # sampler steps (both trained)
 fullsize = True                 # run bench.fullsize --gpu first (the stand-in measurement)
-attention = True                # run bench.attention --gpu (the blocks' attention timed per backend)
+time_attention = True           # run bench.attention --gpu (the blocks' attention timed per backend)
 cache_dir = '/tmp/sage-rehearsal/models'  # the random models (bench/rehearsal.py builds them)
 work_dir = '/tmp/sage-gpu-check'  # train.py's out_dir and sample.py's output (wiped at the start)
 out = 'results/gpu_check'       # writes out.md and out.json
@@ -95,7 +95,7 @@ def main():
 
     if fullsize and not tiny:
         phase('fullsize', [py, '-m', 'bench.fullsize', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
-    if attention and not tiny:
+    if time_attention and not tiny:
         phase('attention', [py, '-m', 'bench.attention', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
     if real:
         d = dict(hunyuan=w('HunyuanVideo-1.5-480p_t2v'), videoalign=w('VideoReward'), qwen=w('Qwen2-VL-2B-Instruct'),

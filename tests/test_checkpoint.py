@@ -139,7 +139,7 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, c
     with open(os.path.join(out, ck[0], 'loop.json'), 'w') as f:
         f.write('{')
     said = train_in_process(monkeypatch, ARGS + [f'--out_dir={out}', '--init_from=resume'])
-    assert said.startswith(f'init_from=resume but {out!r} has no intact checkpoint'), said
+    assert said.startswith(f'{out!r} has no intact checkpoint to resume from'), said
 
 
 def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path):
@@ -300,13 +300,14 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
 
 def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
     """The unpickler in use: a real checkpoint whose .metadata is replaced by a payload (and loop.json's
-    size and crc32 of it updated, as whoever can write one file can write the other) passes
-    candidates() (it checks bytes, it unpickles nothing) and is then refused with the unpickler's error
-    by every reader of a checkpoint: load and resume (train.py's --init_from=resume), export (resolve:
-    a checkpoint or an out_dir), load_weights (sample.py) and read_tensors. The payloads run under plain
-    pickle: an undotted torch callable (torch.save writes a file) and a dotted name walked through a
-    module DCP imports (os.makedirs). Were any of them to read .metadata with DCP's own reader
-    (pickle.load), the payload would run: the marker file would exist and no UnpicklingError come."""
+    size and crc32 of it updated, as whoever can write one file can write the other) is called damaged
+    by candidates() (it reads .metadata through the unpickler to check every file it names), so an
+    export of the out_dir finds no intact checkpoint; every reader handed the checkpoint itself refuses
+    it with the unpickler's error: load and resume (train.py), export (sample.py, train.py's end),
+    load_weights (sample.py) and read_tensors. The payloads run under plain pickle: an undotted torch callable
+    (torch.save writes a file) and a dotted name walked through a module DCP imports (os.makedirs).
+    Were any of them to read .metadata with DCP's own reader (pickle.load), the payload would run:
+    the marker file would exist and no UnpicklingError come."""
     import zlib
     import toy  # noqa: F401  (plugs the toy world into model.py)
     from model import load_policy
@@ -334,10 +335,13 @@ def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
         loop['files']['.metadata'] = [len(payload), zlib.crc32(payload)]
         with open(os.path.join(ckpt, 'loop.json'), 'w') as f:
             json.dump(loop, f)
-        assert checkpoint.candidates(out, collective=False) == [ckpt]  # intact, byte for byte
+        assert checkpoint.damage(ckpt) == '.metadata unreadable (UnpicklingError)', name  # bytes as listed
+        for find in (lambda: checkpoint.candidates(out, collective=False),
+                     lambda: checkpoint.export(out, str(tmp_path / 'export'), torch.float32)):
+            with pytest.raises(SystemExit, match='has no intact checkpoint'):
+                find()
         refused = f'{name} is not allowed in a DCP .metadata file'
         for read in (lambda: checkpoint.load(ckpt, policy, opts, Anchor(policy)),
-                     lambda: checkpoint.export(out, str(tmp_path / 'export'), torch.float32),
                      lambda: checkpoint.export(ckpt, str(tmp_path / 'export'), torch.float32),
                      lambda: checkpoint.load_weights(ckpt, load_policy(base, 'cpu')),
                      lambda: checkpoint.read_tensors(ckpt, 'optim')):
