@@ -1,9 +1,9 @@
 """
-Counting the work and the SDE window (issue 24). python -m pytest tests/test_compute.py
+Counting the work and the SDE window. python -m pytest tests/test_compute.py
 - sde.window: w consecutive stochastic steps, every start equally likely, a function of its seed;
   equalizer.scales over a subset against docs/method.md section 3's formulas written out here;
 - model.sample with a window: steps outside it are Euler steps with no log-probability;
-- train.py (subprocesses): a window covering every step is bitwise today's run (weights, metrics);
+- train.py (subprocesses): a window covering every step is bitwise the run without one (weights, metrics);
   with a window, only its steps are trained and step t's loss is scaled by S_t of that very step,
   the median over the window (recorded at train.py's loss pieces, computed here from the formulas);
   a windowed run resumed equals the uninterrupted one bitwise (weights, optimizer state, figures);
@@ -80,7 +80,7 @@ def test_sample_window_outside_is_ode_without_logp():
     _, full = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=True)
     _, same = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=True,
                            window=range(6))
-    assert all(torch.equal(full[k], same[k]) for k in full)  # a window of every step: today's sampler, bitwise
+    assert all(torch.equal(full[k], same[k]) for k in full)  # a window of every step: the sampler without one, bitwise
     _, rec = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=True, window=[2, 3])
     for t in range(6):
         x, nxt, mean, s = rec['xs'][:, t], rec['xs'][:, t + 1], rec['means'][:, t], sig[t].expand(2)
@@ -154,7 +154,7 @@ def load_bench():
     return load('compute')
 
 
-def test_full_window_is_bitwise_today(tmp_path):
+def test_full_window_is_bitwise_no_window(tmp_path):
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
     run(SMALL + [f'--out_dir={a}', '--max_iters=2'])
     run(SMALL + [f'--out_dir={b}', '--max_iters=2', f'--sde_window={N}'])

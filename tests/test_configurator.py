@@ -199,7 +199,7 @@ def test_none_only_where_the_default_is_none():
         configure(dict(g), ['--eta=None'])
 
 
-def test_issue_cases_as_a_user_runs_them(tmp_path):
+def test_bad_values_as_a_user_runs_them(tmp_path):
     # one case a script, its own process as a user runs it (each costs a python + torch import, ~3-5 s):
     # the SystemExit that test_every_range_one_line_before_anything pins is one line, exit status 1
     cases = [(['train.py', 'config/toy.py', '--eval_steps=-1'],

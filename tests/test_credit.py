@@ -107,11 +107,11 @@ def test_weighted_log_prob_matches_torch_distributions():
     wf = w.double().expand_as(lp)
     ref = (wf * lp).flatten(1).sum(1) / wf.flatten(1).sum(1)
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
-    # weight None is bitwise today's mean; weight 1 is the same number up to float rounding
+    # weight None is bitwise the plain mean over the clip's elements; weight 1 is the same number up to float rounding
     plain = sde.step(x, v, 0.8, 0.7, 'sage', 0.5, x_next=st.x_next).logp
     sd = st.std.view(3, 1, 1, 1, 1)
-    today = (-(st.x_next - st.mean) ** 2 / (2 * sd ** 2) - torch.log(sd) - sde.LOG_SQRT_2PI).flatten(1).mean(1)
-    assert torch.equal(plain, today) and torch.equal(st.logp, today)
+    mean = (-(st.x_next - st.mean) ** 2 / (2 * sd ** 2) - torch.log(sd) - sde.LOG_SQRT_2PI).flatten(1).mean(1)
+    assert torch.equal(plain, mean) and torch.equal(st.logp, mean)
     assert torch.allclose(sde.step(x, v, 0.8, 0.7, 'sage', 0.5, x_next=st.x_next, weight=torch.ones(1)).logp, plain)
     # the same weight on old and new log-prob: ratio exactly 1 at theta = theta_old
     assert torch.equal(sde.log_prob(st.x_next, st.mean, st.std, w), got)
