@@ -187,7 +187,6 @@ def train_in_process(monkeypatch, args):
     through its loading, its resume, checkpoint.forget_after and an owed evaluation, or to its end if it
     has no iteration to run: the message of its SystemExit, or None. A str SystemExit is what Python
     prints as one line, without a traceback, exit status 1."""
-    import model
     import preemption
     import rundir
     import sde
@@ -198,7 +197,6 @@ def train_in_process(monkeypatch, args):
     monkeypatch.setattr(sys, 'argv', args)
     monkeypatch.setattr(preemption, 'Preemption', NoPreemption)
     monkeypatch.setattr(sde, 'window', first_iteration)  # the iteration's first draw
-    monkeypatch.setattr(model, 'PASSES', [0, 0])  # the pass counter of this process starts at 0
     try:
         import runpy
         runpy.run_path(os.path.join(ROOT, args[0]), run_name='__main__')
