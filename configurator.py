@@ -83,8 +83,10 @@ RULES = dict(
     num_steps=number(1), eta=number(0, lo_open=True, then=' (at 0 no step is stochastic: nothing to train)'),
     shift=number(0, lo_open=True), cfg=number(1, then=' (1: no guidance)'),
     num_frames=((lambda v: v >= 1 and v % 4 == 1), '1 + 4k frames (the VAE compresses time 4x): 1, 5, ..., 81'),
-    height=(_pixels, 'a multiple of 16 (the VAE compresses space 16x)'),
-    width=(_pixels, 'a multiple of 16 (the VAE compresses space 16x)'),
+    # a pixel side divides into latents x patches: 16x for HunyuanVideo 1.5 and Wan 2.1, 32x for Wan
+    # 2.2 TI2V-5B (its family's latent_shape checks the rest)
+    height=(_pixels, 'a multiple of 16 (the VAE and the patches compress space 16x)'),
+    width=(_pixels, 'a multiple of 16 (the VAE and the patches compress space 16x)'),
     fps=number(0, lo_open=True),
     # GRPO, trust region, optimisation
     group_size=number(2, then=' (GRPO compares rollouts of a prompt)'), prompts_per_iter=number(1),
@@ -94,7 +96,8 @@ RULES = dict(
     kl_target=number(0, lo_open=True), learning_rate=number(0, lo_open=True), weight_decay=number(0),
     grad_clip=number(0, lo_open=True), lora_rank=number(0), max_iters=number(0),
     eval_steps=number(0, then=' (0: num_steps)'), sde_window=number(0, then=' (0: every stochastic step)'),
-    sp_size=number(1),  # it must divide the world size and the heads (16; the toy's 3): train.py and sp.py check
+    sp_size=number(1),  # it must divide the world size and the heads (HunyuanVideo 1.5 16, Wan 2.1 12 or 40, the
+                        # toy's 3): train.py and sp.py check
     shard_size=number(0, then=" (0: one node's ranks)"),  # it must divide the world size: parallel.py checks
     dist_timeout=number(0, lo_open=True, then=' (minutes)'),
     solo_timeout=number(0, lo_open=True, then=" (minutes)"),

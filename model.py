@@ -105,10 +105,18 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
         return net.to(device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     full = net.state_dict() if master else {}  # references, kept alive across the sharding
+    # non-persistent buffers (Wan's rope tables) are in no state dict: rank 0's, broadcast below
+    saved = net.state_dict().keys()
+    extra = {n: b for n, b in net.named_buffers() if n not in saved}
     shard(net, fam.blocks(net), cuda=torch.device(device).type == 'cuda', mesh=mesh)
-    net.to_empty(device=device)
+    net.to_empty(device=device)  # every parameter and buffer uninitialised, on every rank
     set_model_state_dict(net, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    for n, b in net.named_buffers():
+        if n in extra:
+            if master:
+                b.copy_(extra[n])
+            dist.broadcast(b, 0)
+    del full, extra
     return net
 
 

@@ -5,12 +5,13 @@ with the pipeline's own encoders, model.encode_prompts) and written in chunks as
 keyed by a hash of the prompt; each rank memory-maps the shards and reads only the prompts it uses,
 when it uses them.
 
-    <out_dir>/prompt_cache/index.json          {"model": ..., "prompts": {hash: shard file}}
-    <out_dir>/prompt_cache/00000.safetensors   "<hash>.0" .. "<hash>.3": embeds, mask, embeds_2, mask_2
+    <out_dir>/prompt_cache/index.json          {"model": ..., "tensors": n, "prompts": {hash: shard file}}
+    <out_dir>/prompt_cache/00000.safetensors   "<hash>.0" .. "<hash>.{n-1}": the family's text tensors
+                                               (HunyuanVideo 1.5: embeds, mask, embeds_2, mask_2; Wan: embeds, mask)
 
     prompts, seeds = read_prompts('prompts/train.txt')  # a text file, or a CSV with prompt (and seed)
     cache = PromptCache(build(dir, model, prompts))   # rank 0 builds (or extends), every rank opens
-    e1, m1, e2, m2 = cache['a red circle moving left']
+    e1, m1, e2, m2 = cache['a red circle moving left']  # as many as the family's encoder returns
 
 10,000 prompts of HunyuanVideo 1.5 (1000 x 3584 bf16 Qwen tokens at most, ~2-7 MB each) are
 20-70 GB: a torch.load of the whole cache on each of 8 ranks would need 8x that in host RAM.
@@ -75,7 +76,7 @@ def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
         index = dict(model=model, prompts={})
     missing = sorted(p for p in set(prompts) if key(p) not in index['prompts'])
 
-    def write(embeds):  # one chunk: {prompt: 4 tensors} -> a new shard, then the index
+    def write(embeds):  # one chunk: {prompt: n tensors} -> a new shard, then the index
         nonlocal stale
         if stale:  # replaced only once this model's first chunk is encoded: a bad model path or
             shutil.rmtree(path, ignore_errors=True)  # prompt fails before touching the cache
@@ -86,6 +87,7 @@ def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
         save_file(tensors, os.path.join(path, name + '.tmp'))
         os.replace(os.path.join(path, name + '.tmp'), os.path.join(path, name))
         index['prompts'].update({key(p): name for p in embeds})
+        index['tensors'] = len(next(iter(embeds.values())))  # the same for every prompt of a model
         with open(os.path.join(path, INDEX + '.tmp'), 'w') as f:
             json.dump(index, f)
         os.replace(os.path.join(path, INDEX + '.tmp'), os.path.join(path, INDEX))
@@ -105,11 +107,14 @@ def shared(path, model, prompts, device, master, timeout_minutes=60.0):
 
 
 class PromptCache:
-    """cache[prompt] -> (embeds, mask, embeds_2, mask_2), read from the memory-mapped shard."""
+    """cache[prompt] -> the family's text tensors, e.g. (embeds, mask, embeds_2, mask_2), read from the
+    memory-mapped shard."""
 
     def __init__(self, path):
         with open(os.path.join(path, INDEX)) as f:
-            self.index = json.load(f)['prompts']
+            index = json.load(f)
+        self.index = index['prompts']
+        self.n = index.get('tensors', 4)  # tensors a prompt (an index without the count: HunyuanVideo 1.5's 4)
         self.path, self.files = path, {}  # shard name -> open safe_open handle (mmap)
 
     def __getitem__(self, prompt):
@@ -120,7 +125,7 @@ class PromptCache:
         name = self.index[k]
         if name not in self.files:
             self.files[name] = safe_open(os.path.join(self.path, name), framework='pt')
-        return tuple(self.files[name].get_tensor(f'{k}.{j}') for j in range(4))
+        return tuple(self.files[name].get_tensor(f'{k}.{j}') for j in range(self.n))
 
     def __contains__(self, prompt):
         return key(prompt) in self.index

@@ -2,8 +2,9 @@
 Sequence (context) parallel: one clip's tokens split over sp_size ranks, Ulysses over the attention
 heads, with diffusers' own context-parallel machinery (ContextParallelConfig, enable_parallelism and
 its split and gather hooks; the all-to-all in the attention processor, see below). diffusers 0.42
-ships no `_cp_plan` for HunyuanVideo15Transformer3DModel (hunyuan15.cp_plan is this project's);
-every family file hands its plan to enable().
+ships no `_cp_plan` for HunyuanVideo15Transformer3DModel (hunyuan15.cp_plan is this project's;
+wan.cp_plan is diffusers' own WanTransformer3DModel._cp_plan); every family file hands its plan
+to enable().
 
     torchrun --nproc_per_node=8 train.py config/released.py     # sp_size 2: 4 groups of 2 GPUs
 
