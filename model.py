@@ -28,7 +28,7 @@ import sp
 # all-gather); velocity() only ever applies out-of-place ops to it
 warnings.filterwarnings('ignore', message='FSDP2-wrapped module .* returned a view tensor')
 
-FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'ToyWorld': 'toy'}  # model_index.json's _class_name -> file
+FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy'}  # model_index.json's _class_name -> file
 
 
 def family(path):

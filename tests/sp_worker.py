@@ -1,5 +1,5 @@
 """
-Worker for tests/test_sp.py: the guided velocity of a tiny HunyuanVideo 1.5 transformer with its
+Worker for tests/test_sp.py and tests/test_wan.py: the guided velocity of a tiny transformer with its
 tokens split over the ranks (sp.enable, Ulysses over gloo), and the gradient of a fixed linear
 function of it, summed over the ranks. Rank 0 writes both to OUT.
 
@@ -22,10 +22,13 @@ def main(path, inputs, out):
     net = load_transformer(path)
     model = sp.enable(net, sp.mesh(world, 'cpu'), family_of(net).cp_plan(net))
     model.enable_gradient_checkpointing()  # as train.py runs it: the split inside each recomputation
-    seen = []  # the token count block 0's attention sees on this rank: video/world + text/world
-    model.transformer_blocks[0].attn.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(kwargs['hidden_states'].shape[1] + kwargs['encoder_hidden_states'].shape[1]),
-        with_kwargs=True)
+    # the tokens block 0's self-attention sees on this rank: HunyuanVideo 1.5's joint attention
+    # video/world + text/world, Wan's video/world (its cross-attention keeps the whole text)
+    block = family_of(net).blocks(model)[0]
+    attn = block.attn if hasattr(block, 'attn') else block.attn1
+    seen = []
+    attn.register_forward_pre_hook(lambda m, args, kwargs: seen.append(sum(
+        t.shape[1] for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() == 3)), with_kwargs=True)
     a = torch.load(inputs)
     v = velocity(model, a['x'], a['s'], a['text'], a['cfg'], a['text_neg'])  # (B, C, F, H, W), full on every rank
     (v * a['w']).sum().backward()

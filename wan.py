@@ -1,0 +1,178 @@
+"""
+Wan 2.1 and Wan 2.2 TI2V-5B (diffusers' WanPipeline) behind the model interface stated at the top of
+hunyuan15.py.
+
+    hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir weights/Wan2.1-T2V-1.3B
+    python train.py config/wan_1gpu.py                            # Wan 2.1 1.3B on one GPU
+    torchrun --nproc_per_node=8 train.py config/wan_1gpu.py --model=weights/Wan2.1-T2V-14B --lora_rank=0
+
+Also Wan-AI/Wan2.1-T2V-14B-Diffusers (40 blocks of width 5120) and Wan-AI/Wan2.2-TI2V-5B-Diffusers
+(its text-to-video path: 48 latent channels, 16x spatial compression, one timestep per video token;
+its own clip size is 121 frames at 704x1280, 24 fps; DEFAULTS are Wan 2.1's).
+
+Wan specifics (docs/method.md section 9): one text encoder, UMT5-XXL, every prompt padded to 512 tokens
+with its embeddings zeroed after the prompt's own tokens; the transformer's cross-attention takes no
+mask and so attends to those zeros too, so forward() pads the cached text (trimmed to its valid
+tokens) back to 512 zero tokens: the velocity is the pipeline's. The timestep is 1000 s (Wan 2.2
+TI2V-5B: the same value for every video token, as WanPipeline's expand_timesteps builds it for
+text-to-video). Latents are normalised per channel: decode multiplies by latents_std and adds
+latents_mean before the VAE.
+
+Where it differs from WanPipeline: the sampler. The pipeline's default scheduler is UniPC, a multistep
+solver on the flow sigmas; this project's rollouts and sample.py take their own Euler / SDE steps
+(docs/method.md section 2) on the flow sigmas of section 1, whose ODE step equals diffusers'
+FlowMatchEulerDiscreteScheduler(shift=...).step (docs/method.md section 9).
+
+attention: both settings run Wan's own WanAttnProcessor, which has no mask to drop: the video
+self-attention has no padding, and the text cross-attention must see all 512 tokens, zeros included,
+to give the pipeline's velocity (masking them would change it). Sequence parallel composes with it
+as shipped (diffusers' _cp_plan for this class; the cross-attention keeps the whole text).
+Tested by: python -m pytest tests/test_wan.py
+"""
+import inspect
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+import sp
+from attention import ATTENTIONS
+
+PIPELINE = 'WanPipeline'
+TRANSFORMER = 'WanTransformer3DModel'
+HUB_ID = 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'
+# WanPipeline's own defaults (it has no default negative prompt); shift: diffusers' 480p value
+DEFAULTS = dict(sample_steps=50, shift=3.0, cfg=5.0, fps=16, negative_prompt='', num_frames=81, height=480, width=832)
+LORA_TARGETS = ['to_q', 'to_k', 'to_v', 'to_out.0']  # self- and cross-attention projections of every block
+TEXT_TOKENS = 512  # UMT5 tokens a prompt is padded to: WanPipeline.__call__'s max_sequence_length
+                   # (encode_prompt's own default is 226: passed explicitly below)
+
+
+def missing(path, what, err):
+    return SystemExit(
+        f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
+        f'Download the weights first, e.g.\n'
+        f'  hf download {HUB_ID} --local-dir weights/Wan2.1-T2V-1.3B\n'
+        f'and pass --model=weights/Wan2.1-T2V-1.3B')
+
+
+def load_transformer(path, meta=False, attention=ATTENTIONS[0]):
+    """The transformer in float32 (the trainer's master weights) on the CPU, or on the meta device
+    (shapes only), with diffusers' own attention processor (see the module docstring)."""
+    from diffusers import WanTransformer3DModel as T
+    if attention not in ATTENTIONS:
+        raise SystemExit(f'attention must be one of {ATTENTIONS}, got {attention!r}')
+    try:
+        if meta:
+            with torch.device('meta'):
+                net = T.from_config(T.load_config(path, subfolder='transformer'))
+        else:
+            net = T.from_pretrained(path, subfolder='transformer', torch_dtype=torch.float32)
+        with open(os.path.join(path, 'model_index.json')) as f:
+            # a pipeline setting, not the transformer's: kept on the module for forward()
+            net.expand_timesteps = bool(json.load(f).get('expand_timesteps', False))
+    except (OSError, ValueError) as e:
+        raise missing(path, 'transformer', e) from e
+    return net
+
+
+def blocks(net):
+    return net.blocks
+
+
+def text_encoder(path, device):
+    """encode(prompts) -> [embeds (B, 512, D), mask (B, 512)]: WanPipeline's own encode_prompt (UMT5,
+    embeddings zero after each prompt's tokens) and its tokenizer's attention mask, valid tokens first."""
+    from diffusers import WanPipeline
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+    try:  # the text encoder and tokenizer alone (WanPipeline reads the VAE's config only if it has one)
+        pipe = WanPipeline.from_pretrained(path, transformer=None, vae=None, torch_dtype=torch.bfloat16).to(device)
+    except (OSError, ValueError) as e:
+        raise missing(path, 'text encoder', e) from e
+
+    @torch.no_grad()
+    def encode(prompts):
+        out = []
+        for i in range(0, len(prompts), 8):
+            ps = prompts[i:i + 8]
+            embeds = pipe.encode_prompt(ps, do_classifier_free_guidance=False, max_sequence_length=TEXT_TOKENS,
+                                        device=device)[0]  # (b, 512, D)
+            mask = pipe.tokenizer([prompt_clean(p) for p in ps], padding='max_length', max_length=TEXT_TOKENS,
+                                  truncation=True, add_special_tokens=True, return_tensors='pt').attention_mask
+            out.append((embeds, mask.to(embeds.device)))  # the tokenizer call encode_prompt makes
+        return [torch.cat(t) for t in zip(*out)]
+    return encode
+
+
+def forward(net, x, s, text):
+    """The velocity of latents x (B, C, F, h, w) at sigmas s (B,) for text: batch_text's [embeds, mask].
+    The mask is not used: Wan attends to every one of the 512 text tokens."""
+    embeds = text[0]  # (B, L, D) valid tokens first, zeros after
+    embeds = F.pad(embeds, (0, 0, 0, TEXT_TOKENS - embeds.shape[1]))  # (B, 512, D): zeros, as the pipeline's
+    pt, ph, pw = net.config.patch_size
+    video = x.shape[2] // pt * (x.shape[3] // ph) * (x.shape[4] // pw)  # tokens of a clip
+    n = sp.group_size(net)
+    if video % n:
+        raise SystemExit(f'sequence parallel: {video} video tokens (latents {tuple(x.shape[1:])}) do not '
+                         f'split over sp_size {n}; choose a frame count or size whose latent grid divides')
+    t = 1000 * s  # (B,)
+    if getattr(net, 'expand_timesteps', False):  # Wan 2.2 TI2V-5B: one per video token, all equal for t2v
+        t = t[:, None].expand(-1, video)  # (B, V)
+    return net(hidden_states=x, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
+
+
+def vae_config(path):
+    """The VAE's config with the class defaults filled in: Wan 2.1's released config predates
+    scale_factor_temporal / scale_factor_spatial (its values are the defaults, 4 and 8)."""
+    from diffusers import AutoencoderKLWan
+    try:
+        c = AutoencoderKLWan.load_config(path, subfolder='vae')
+    except (OSError, ValueError) as e:
+        raise missing(path, 'VAE config', e) from e
+    defaults = {k: p.default for k, p in inspect.signature(AutoencoderKLWan.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **c}
+
+
+def load_decoder(path, device):
+    """decode(latents (B, C, F, h, w)) -> frames (B, F, 3, H, W) in [0, 1]."""
+    from diffusers import AutoencoderKLWan
+    try:  # float32, as diffusers recommends for Wan's VAE (127M parameters at 2.1: 0.5 GB)
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder='vae', torch_dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise missing(path, 'VAE', e) from e
+    vae = vae.to(device).requires_grad_(False).eval()
+    vae.enable_slicing()  # one clip at a time: the batch's activations never coexist
+    mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)  # (1, C, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+
+    @torch.no_grad()
+    def decode(latents):
+        video = vae.decode(latents.float() * std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
+        return ((video.float().clamp(-1, 1) + 1) / 2).permute(0, 2, 1, 3, 4)  # -> (B, F, 3, H, W)
+    return decode
+
+
+def latent_shape(path, num_frames, height, width):
+    """(C, F, h, w): z_dim channels (16 at 2.1, 48 at 2.2 TI2V-5B), 4x temporal and 8x (2.1) or 16x
+    (2.2) spatial compression; height and width must also divide into the transformer's 2x2 patches."""
+    from diffusers import WanTransformer3DModel
+    c = vae_config(path)
+    t, s = c['scale_factor_temporal'], c['scale_factor_spatial']
+    try:
+        _, ph, pw = WanTransformer3DModel.load_config(path, subfolder='transformer')['patch_size']
+    except (OSError, ValueError) as e:
+        raise missing(path, 'transformer config', e) from e
+    if height % (s * ph) or width % (s * pw):
+        raise SystemExit(f'height and width must be multiples of {s * ph} x {s * pw} for {path!r} '
+                         f'(VAE {s}x, transformer patch {ph}x{pw}), got {height}x{width}')
+    return (c['z_dim'], (num_frames - 1) // t + 1, height // s, width // s)
+
+
+def cp_plan(net):
+    """diffusers' own WanTransformer3DModel._cp_plan: the rope tables and block 0's video tokens split
+    on the token axis, the output projection gathered; the text is not split (each rank's video
+    queries attend to all of it). Its per-token timestep entry only where timesteps are per token
+    (Wan 2.1's are per clip: diffusers would warn that it cannot split them)."""
+    return {k: v for k, v in net._cp_plan.items() if k or getattr(net, 'expand_timesteps', False)}
