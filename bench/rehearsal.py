@@ -2,11 +2,20 @@
 A rehearsal of the real path at real width, on a CPU: random weights in the released layouts, every
 part at its released width and minimal depth, run through the unchanged entry points.
 
-    python -m bench.rehearsal                      # build the models (cached), run everything, write results/rehearsal.md
+    python -m bench.rehearsal                      # both rehearsals, one after the other (~60 + ~20 min)
+    python -m bench.rehearsal --only=hunyuan       # HunyuanVideo 1.5 alone -> results/rehearsal.md
+    python -m bench.rehearsal --only=wan           # Wan 2.1 1.3B alone -> results/rehearsal_wan.md
     python -m bench.rehearsal --build_only         # just the models (printed: their directories)
     python -m bench.rehearsal --blocks=2           # two transformer blocks instead of one
 
 The models (tests/tiny_*.py with the released sizes, built once into cache_dir, ~6 GB on disk):
+- Wan 2.1 T2V 1.3B (wan.py): the transformer of assets/wan21_t2v_1.3b_transformer.json (width 1536 =
+  12 heads x 128, 8960 FFN, text width 4096) with `blocks` of its 30 blocks; the VAE at the released
+  config (AutoencoderKLWan's defaults: 16 latent channels, 96..384 channels, 2 res blocks a stage);
+  UMT5-XXL at 4096 wide (64 heads x 64, 10240 gated-gelu FFN, 32 relative-position buckets) with the
+  real vocabulary of 256384 and 1 of its 24 layers. Text encoder and VAE saved in bf16, the
+  transformer in fp32. Its tokenizer is tests/tiny_wan.py's word-level T5 one (<pad> 0, </s> 1, <unk> 2,
+  the released ids); the prompts below tokenise past the pipeline's 512 and are cut there.
 - HunyuanVideo 1.5 480p: the transformer of assets/hunyuanvideo15_480p_t2v_transformer.json (hidden
   2048 = 16 heads x 128, rope axes (16, 56, 56), 2 refiner layers, the 2048-wide ByT5 projection) with
   `blocks` of its 54 blocks; the VAE at its released widths (32 latent channels, 16x spatial, 4x
@@ -29,6 +38,7 @@ Qwen's real BPE, so the reward tokens' positions differ from the released ones (
 
 The run, through the entry points a user runs (peak resident memory of the whole process tree and wall time
 per phase, in results/rehearsal.md and .json):
+Each family's rehearsal (the same reward models and phases; its own report):
 1. build: the models above (cached; 0 s on a rerun)
 2. train, 2 ranks: `torchrun --nproc_per_node=2 train.py` on them, 9 frames at 64x112 (latents
    32 x 3 x 4 x 7), 2 sampler steps, 1 prompt x G 2 per iteration, 2 iterations, evaluation at the start and
@@ -51,12 +61,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests'))
 import torch  # noqa: E402
 
-from configurator import configure  # noqa: E402
+from configurator import configure, one_of  # noqa: E402
 
 # ----------------------------------------------------------------------------- settings
 cache_dir = '/tmp/sage-rehearsal/models'  # the built models (outside git; reused by later runs)
 work_dir = '/tmp/sage-rehearsal/run'      # train.py's out_dir, sample.py's output (wiped at the start)
-out = 'results/rehearsal'       # writes out.md and out.json
+out = 'results/rehearsal'       # writes out.md and out.json (Wan: out_wan.md, out_wan.json)
+only = ''                       # 'hunyuan' or 'wan': that rehearsal alone; '': both, one after the other
 blocks = 1                      # transformer blocks (54 released)
 num_frames = 9                  # 9 frames -> 3 latent frames
 height = 64                     # -> 4 latent rows
@@ -66,7 +77,7 @@ threads = 1                     # torch threads per process (2 ranks on 2 cores)
 build_only = False              # build the models and stop
 report_only = False             # rewrite out.md from out.json (no running)
 config = configure(globals(), [a + '=True' if a in ('--build_only', '--report_only') else a for a in sys.argv[1:]]
-                   if __name__ == '__main__' else [])
+                   if __name__ == '__main__' else [], rules=dict(only=one_of('', 'hunyuan', 'wan')))
 # -----------------------------------------------------------------------------
 
 # tests/tiny_*.py size dicts at the released widths
@@ -82,6 +93,19 @@ HUNYUAN = dict(
     vae=dict(latent_channels=32, block_out_channels=(128, 256, 512, 1024, 1024), layers_per_block=1),
     transformer=dict(_T, num_layers=blocks),
     dtype=torch.bfloat16,  # the text encoders and VAE (the trainer loads the pipeline in bf16)
+    transformer_dtype=torch.float32,
+)
+with open('assets/wan21_t2v_1.3b_transformer.json') as f:
+    _W = {k: v for k, v in json.load(f).items() if not k.startswith('_') and k not in (
+        'in_channels', 'out_channels', 'text_dim')}  # derived from the parts below
+WAN = dict(  # tests/tiny_wan.py's size dict at Wan 2.1 1.3B's released widths
+    vocab_size=256384,  # UMT5-XXL's embedding rows
+    text=dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64, relative_attention_num_buckets=32,
+              relative_attention_max_distance=128),  # google/umt5-xxl's widths, 1 of its 24 layers
+    vae={},  # AutoencoderKLWan's class defaults: Wan 2.1's released VAE
+    transformer=dict(_W, num_layers=blocks),
+    expand_timesteps=False,
+    dtype=torch.bfloat16,  # the text encoder and VAE as saved (the trainer loads the VAE in fp32)
     transformer_dtype=torch.float32,
 )
 VIDEOALIGN = dict(
@@ -111,27 +135,33 @@ PROMPTS = {'train': [f'{LONG} a sign reads "{GLYPH}" number {i}' for i in range(
 
 
 def dirs(root=cache_dir, n_blocks=None):
-    """Where each model is built: {'hunyuan', 'videoalign', 'qwen', 'clip', 'pickscore'}."""
+    """Where each model is built: {'hunyuan', 'wan', 'videoalign', 'qwen', 'clip', 'pickscore'}."""
     n_blocks = blocks if n_blocks is None else n_blocks
     return dict(hunyuan=os.path.join(root, f'HunyuanVideo-1.5-480p_t2v-{n_blocks}blocks'),
+                wan=os.path.join(root, f'Wan2.1-T2V-1.3B-{n_blocks}blocks'),
                 videoalign=os.path.join(root, 'videoalign', 'VideoReward'),
                 qwen=os.path.join(root, 'videoalign', 'Qwen2-VL-tiny'),
                 clip=os.path.join(root, 'clip', 'clip-vit-large-patch14'),
                 pickscore=os.path.join(root, 'clip', 'PickScore_v1'))
 
 
-def build(root=cache_dir, n_blocks=None, sizes=None):
+def build(root=cache_dir, n_blocks=None, sizes=None, wan_sizes=None, which=('hunyuan', 'wan')):
     """Build whatever is missing under root (each part published by rename or a marker); returns dirs().
-    sizes: (hunyuan, videoalign, clip) size dicts, the released widths by default (the test passes TINY)."""
+    sizes: (hunyuan, videoalign, clip) size dicts and wan_sizes Wan's, the released widths by default
+    (the test passes TINY); which: the video models to build (the reward models always)."""
     from tiny_clip import make_tiny_clip
     from tiny_hunyuan import make_tiny_hunyuan
     from tiny_videoalign import make_tiny_videoalign
+    from tiny_wan import make_tiny_wan
     n_blocks = blocks if n_blocks is None else n_blocks
     # deep transformers are saved in bf16 (54 blocks: 16.6 GB to write instead of 33 GB; train.py loads fp32)
     hv, va, cl = sizes or (dict(HUNYUAN, transformer=dict(_T, num_layers=n_blocks),
                                 transformer_dtype=torch.bfloat16 if n_blocks > 8 else torch.float32), VIDEOALIGN, CLIP)
     d = dirs(root, n_blocks)
-    make_tiny_hunyuan(d['hunyuan'], hv)  # reuses a finished build
+    if 'hunyuan' in which:
+        make_tiny_hunyuan(d['hunyuan'], hv)  # reuses a finished build
+    if 'wan' in which:
+        make_tiny_wan(d['wan'], wan_sizes or dict(WAN, transformer=dict(_W, num_layers=n_blocks)))
     for name, make in (('videoalign', lambda: make_tiny_videoalign(os.path.join(root, 'videoalign'), va)),
                        ('clip', lambda: [make_tiny_clip(os.path.join(root, 'clip'), k, cl[k]) for k in CLIP])):
         done = os.path.join(root, name, '.done')
@@ -220,21 +250,21 @@ def metrics_rows(run_dir):
         return [json.loads(l) for l in f]
 
 
-def checks(d, run_dir, sample_dir):
-    """What only the real widths show, read back from what the runs wrote."""
+def checks(fam, d, run_dir, sample_dir, logs):
+    """What only the real widths show, read back from what the runs wrote (fam: 'hunyuan' or 'wan')."""
     import prompt_cache
-    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel as T
+    from model import latent_shape
     out = {}
     cache = prompt_cache.PromptCache(os.path.join(run_dir, 'prompt_cache'))
-    e1, m1, e2, m2 = cache[PROMPTS['train'][0]]
-    out['text_tokens'] = [int(e1.shape[0]), int(e2.shape[0])]  # valid Qwen and ByT5 tokens of a long prompt
-    out['text_widths'] = [int(e1.shape[1]), int(e2.shape[1])]
-    c = AutoencoderKLHunyuanVideo15.load_config(d['hunyuan'], subfolder='vae')
-    out['latent_shape'] = [c['latent_channels'], (num_frames - 1) // c['temporal_compression_ratio'] + 1,
-                           height // c['spatial_compression_ratio'], width // c['spatial_compression_ratio']]
-    cfg = T.load_config(os.path.join(run_dir, 'export'))
-    out['export'] = dict(blocks=cfg['num_layers'], heads=cfg['num_attention_heads'],
-                         head_dim=cfg['attention_head_dim'], rope_axes_dim=cfg['rope_axes_dim'])
+    text = cache[PROMPTS['train'][0]]  # (embeds, mask) pairs: Qwen and ByT5, or UMT5
+    out['text_tokens'] = [int(e.shape[0]) for e in text[::2]]  # valid tokens of a long prompt, each encoder
+    out['text_widths'] = [int(e.shape[1]) for e in text[::2]]
+    out['latent_shape'] = list(latent_shape(d[fam], num_frames, height, width))
+    with open(os.path.join(run_dir, 'export', 'config.json')) as f:
+        cfg = json.load(f)
+    out['export'] = dict(cls=cfg['_class_name'], blocks=cfg['num_layers'], heads=cfg['num_attention_heads'],
+                         head_dim=cfg['attention_head_dim'],
+                         **({'rope_axes_dim': cfg['rope_axes_dim']} if fam == 'hunyuan' else {'ffn_dim': cfg['ffn_dim']}))
     rows = metrics_rows(run_dir)
     out['iterations'] = [r['iter'] for r in rows if 'reward' in r]
     out['evals'] = [{k: round(v, 4) for k, v in r.items()} for r in rows if 'eval_composite' in r]
@@ -244,15 +274,15 @@ def checks(d, run_dir, sample_dir):
     out['iteration_seconds_rollout_reward_update'] = [[round(r[k], 1) for k in ('t_rollout', 't_reward', 't_update')]
                                                       for r in rows if 'reward' in r]
     out['peak_mem_gb_ranks'] = [[round(x, 2) for x in r['peak_mem_gb_ranks']] for r in rows if 'reward' in r]
-    logs = os.path.join(work_dir, 'logs')  # a failing VideoAlign scores NaN with a warning instead of raising
+    # a failing VideoAlign scores NaN with a warning instead of raising
     out['videoalign_warnings'] = sum(open(os.path.join(logs, f)).read().count('VideoAlign:') for f in os.listdir(logs))
     with open(os.path.join(sample_dir, 'metrics.json')) as f:
         out['sample_metrics'] = json.load(f)
     return out
 
 
-def report(res):
-    md = ['# Rehearsal of the real path at real width (CPU)', '',
+def report(res, dest=out):
+    md = [f'# Rehearsal of the real path at real width (CPU): {res.get("model", "HunyuanVideo 1.5 480p")}', '',
           'Written by `python -m bench.rehearsal` (bench/rehearsal.py: the models, what is real and what is not). '
           f'{res["blocks"]} transformer block(s), {num_frames} frames at {height}x{width}, {num_steps} sampler steps, '
           f'{res["threads"]} torch thread(s) per process on {os.cpu_count()} cores. Peak RSS: the whole process tree '
@@ -266,43 +296,50 @@ def report(res):
            '\n'.join(f'{k}: {json.dumps(v)}' for k, v in res.get('checks', {}).items()), '```', '']
     if res.get('failed'):
         md += [f'**Failed at {res["failed"]}**: see its log.', '']
-    with open(out + '.md', 'w') as f:
+    with open(dest + '.md', 'w') as f:
         f.write('\n'.join(md))
-    with open(out + '.json', 'w') as f:
+    with open(dest + '.json', 'w') as f:
         json.dump(res, f, indent=1)
-    print(f'wrote {out}.md and {out}.json')
+    print(f'wrote {dest}.md and {dest}.json')
 
 
 def short(cmd):  # the command as a user types it (paths of this machine shortened)
     return ' '.join(a if len(a) < 60 else a[:25] + '...' + a[-25:] for a in cmd).replace(sys.executable, 'python')
 
 
-def main():
+REHEARSALS = {'hunyuan': ('HunyuanVideo 1.5 480p', ''), 'wan': ('Wan 2.1 T2V 1.3B', '_wan')}  # model, suffix
+
+
+def main(fam):
+    """One family's rehearsal: its phases run, its report written to out + suffix (.md, .json)."""
     import shutil
+    model_name, sfx = REHEARSALS[fam]
+    work = work_dir + ('-' + fam if sfx else '')  # the HunyuanVideo one keeps its place
     os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
-    shutil.rmtree(work_dir, ignore_errors=True)
-    os.makedirs(work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
     py = sys.executable
-    res = dict(blocks=blocks, threads=threads, phases=[], config=config)
+    res = dict(model=model_name, blocks=blocks, threads=threads, phases=[], config=config)
 
     def phase(name, cmd, **kw):
-        r = run_phase(name, cmd, os.path.join(work_dir, 'logs'), **kw)
+        r = run_phase(name, cmd, os.path.join(work, 'logs'), **kw)
         res['phases'].append(dict(r, cmd=short(cmd)))
         if r['rc'] != 0:
             res['failed'] = name
-            report(res)
+            report(res, out + sfx)
             raise SystemExit(f'{name} failed (exit {r["rc"]}): {r["log"]}')
         return r
 
-    phase('build', [py, '-m', 'bench.rehearsal', '--build_only', f'--blocks={blocks}', f'--cache_dir={cache_dir}'])
+    phase('build', [py, '-m', 'bench.rehearsal', '--build_only', f'--only={fam}', f'--blocks={blocks}',
+                    f'--cache_dir={cache_dir}'])
     d = dirs()
     for k, ps in PROMPTS.items():
-        with open(os.path.join(work_dir, f'{k}.txt'), 'w') as f:
+        with open(os.path.join(work, f'{k}.txt'), 'w') as f:
             f.write('\n'.join(ps) + '\n')
-    run_dir = os.path.join(work_dir, 'out')
-    common = [f'--model={d["hunyuan"]}', f'--videoalign_dir={d["videoalign"]}', f'--qwen_dir={d["qwen"]}',
+    run_dir = os.path.join(work, 'out')
+    common = [f'--model={d[fam]}', f'--videoalign_dir={d["videoalign"]}', f'--qwen_dir={d["qwen"]}',
               '--eval_metrics=clipscore,pickscore', f'--clip_dir={d["clip"]}', f'--pickscore_dir={d["pickscore"]}',
-              f'--train_prompts={work_dir}/train.txt', f'--eval_prompts={work_dir}/eval.txt', f'--out_dir={run_dir}',
+              f'--train_prompts={work}/train.txt', f'--eval_prompts={work}/eval.txt', f'--out_dir={run_dir}',
               '--device=cpu', f'--num_frames={num_frames}', f'--height={height}', f'--width={width}', '--fps=8',
               f'--num_steps={num_steps}', '--prompts_per_iter=1', '--group_size=2', '--rollout_batch=1',
               '--train_batch=1', '--eval_every=0', '--save_every=1', '--diag_every=0', '--eval_videos=1',
@@ -312,24 +349,27 @@ def main():
           + common + ['--max_iters=2'], on_poll=sigterm_after_first_checkpoint(run_dir, state))
     res['sigterm_workers'] = state.get('sent', 0)
     phase('resume_1rank', [py, 'train.py'] + common + ['--init_from=resume', '--max_iters=3'])
-    sample_dir = os.path.join(work_dir, 'samples')
-    aligned = aligned_dir(d['hunyuan'], os.path.join(run_dir, 'export'), os.path.join(work_dir, 'aligned'))
-    phase('sample', [py, 'sample.py', f'--model={aligned}', "--checkpoint=", f'--prompts={work_dir}/eval.txt',
+    sample_dir = os.path.join(work, 'samples')
+    aligned = aligned_dir(d[fam], os.path.join(run_dir, 'export'), os.path.join(work, 'aligned'))
+    phase('sample', [py, 'sample.py', f'--model={aligned}', "--checkpoint=", f'--prompts={work}/eval.txt',
                      '--num_prompts=2', f'--num_steps={num_steps}', f'--num_frames={num_frames}', f'--height={height}',
                      f'--width={width}', '--fps=8', '--device=cpu', f'--out_dir={sample_dir}',
                      f'--videoalign_dir={d["videoalign"]}', f'--qwen_dir={d["qwen"]}',
                      '--eval_metrics=clipscore,pickscore', f'--clip_dir={d["clip"]}',
                      f'--pickscore_dir={d["pickscore"]}'])
-    res['checks'] = checks(d, run_dir, sample_dir)
-    report(res)
+    res['checks'] = checks(fam, d, run_dir, sample_dir, os.path.join(work, 'logs'))
+    report(res, out + sfx)
 
 
 if __name__ == '__main__':
     torch.set_num_threads(threads)
+    which = [only] if only else list(REHEARSALS)
     if build_only:
-        print(json.dumps(build(), indent=1))
+        print(json.dumps(build(which=which), indent=1))
     elif report_only:
-        with open(out + '.json') as f:
-            report(json.load(f))
+        for fam in which:
+            with open(out + REHEARSALS[fam][1] + '.json') as f:
+                report(json.load(f), out + REHEARSALS[fam][1])
     else:
-        main()
+        for fam in which:
+            main(fam)

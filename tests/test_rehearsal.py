@@ -3,11 +3,13 @@ The fast slice of bench/rehearsal.py (the rehearsal itself takes minutes and ~10
 - its size dicts are the released architectures: the transformer's text widths and head split agree
   with the released config (assets/hunyuanvideo15_480p_t2v_transformer.json), rope sections fill the
   head dims, and the transformer built from them on the meta device at 54 blocks has HunyuanVideo
-  1.5's 8.3B parameters;
+  1.5's 8.3B parameters; Wan 2.1's at 30 blocks has its 1.42B (the 1.3B model), and the UMT5 encoder
+  its width 4096 and vocabulary 256384;
 - the padded tokenizers put the special tokens at their released ids (Qwen2.5 151643.., Qwen2-VL's
   vision tokens 151652..151656 and the reward tokens after them, CLIP 49406/49407), and a prompt still
   tokenises to the same ids as without the padding;
-- build() with the tiny sizes writes every model through the same functions and reuses them.
+- build() with the tiny sizes writes every model (both video models) through the same functions and
+  reuses them.
 """
 import json
 import os
@@ -33,6 +35,13 @@ def test_sizes_are_the_released_architectures():
               text_embed_dim=3584, text_embed_2_dim=1472)
     n = sum(p.numel() for p in m.parameters())
     assert 8.2e9 < n < 8.4e9, n  # "8.3B"
+    from diffusers import WanTransformer3DModel as W
+    with torch.device('meta'):
+        w = W(**dict(R.WAN['transformer'], num_layers=30), in_channels=16, out_channels=16,
+              text_dim=R.WAN['text']['d_model'])
+    assert 1.41e9 < sum(p.numel() for p in w.parameters()) < 1.43e9  # Wan2.1-T2V-1.3B's 1.42B
+    assert (R.WAN['vocab_size'], R.WAN['text']['d_model'], R.WAN['text']['num_heads'] * R.WAN['text']['d_kv']) == \
+        (256384, 4096, 4096)
 
 
 def test_padded_tokenizers_have_the_released_special_ids(tmp_path):
@@ -62,11 +71,13 @@ def test_build_with_tiny_sizes_writes_every_model_once(tmp_path):
     import tiny_clip
     import tiny_hunyuan
     import tiny_videoalign
+    import tiny_wan
     sizes = (tiny_hunyuan.TINY, tiny_videoalign.TINY, {k: tiny_clip.TINY for k in R.CLIP})
-    d = R.build(str(tmp_path), 2, sizes)
-    assert os.path.isfile(os.path.join(d['hunyuan'], 'model_index.json'))
+    d = R.build(str(tmp_path), 2, sizes, tiny_wan.TINY)
+    for k in ('hunyuan', 'wan'):
+        assert os.path.isfile(os.path.join(d[k], 'model_index.json')), k
     assert os.path.isfile(os.path.join(d['videoalign'], 'checkpoint-1', 'model.pth'))
     for k in ('qwen', 'clip', 'pickscore'):
         assert os.path.isfile(os.path.join(d[k], 'config.json')), k
     stamp = {k: os.path.getmtime(v) for k, v in d.items()}
-    assert R.build(str(tmp_path), 2, sizes) == d and {k: os.path.getmtime(v) for k, v in d.items()} == stamp
+    assert R.build(str(tmp_path), 2, sizes, tiny_wan.TINY) == d and {k: os.path.getmtime(v) for k, v in d.items()} == stamp

@@ -25,6 +25,7 @@ WORDS = ('a an the of in on at to and with is moving left right up down red gree
          'triangle cross car cat dog sign fox runs through deep snow pine forest dawn camera follows it low '
          'ground soft golden light falling breath visible cold air scene banner says reads number').split()
 # every size of the pipeline in one dict: bench/rehearsal.py passes the released widths instead
+# (its vae={}: AutoencoderKLWan's class defaults, which are Wan 2.1's VAE)
 TINY = dict(
     vocab_size=None,  # UMT5 embedding rows (None: the tokenizer's own size; 256384 released)
     text=dict(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, relative_attention_num_buckets=8),
@@ -76,7 +77,7 @@ def make_tiny_pipeline(sizes=TINY):
     vae = _cast(AutoencoderKLWan(**sizes['vae']), sizes['dtype']).eval()
 
     torch.manual_seed(SEED + 2)
-    C = sizes['vae']['z_dim']
+    C = vae.config.z_dim  # latent channels (the class default, 16, where sizes['vae'] leaves it)
     transformer = _cast(WanTransformer3DModel(
         in_channels=C, out_channels=C, text_dim=sizes['text']['d_model'], **sizes['transformer']),
         sizes['transformer_dtype']).eval()
