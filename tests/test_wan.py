@@ -114,6 +114,18 @@ def test_velocity_is_the_pipeline_transformer_call(roots, pipes, encoded, versio
     assert (unpadded - v_c).abs().max() > 1e-3
 
 
+def test_lora_base_in_bf16_has_diffusers_dtypes(roots):
+    # LoRA on one GPU keeps the frozen base in bf16: every tensor gets the dtype diffusers' own bf16
+    # loading gives it (the rope tables, time embedding, modulation tables and norms stay float32)
+    net = model.load_policy(roots['2.1'], 'cpu', lora_rank=4, base_dtype=torch.bfloat16)
+    ref = WanTransformer3DModel.from_pretrained(roots['2.1'], subfolder='transformer', torch_dtype=torch.bfloat16)
+    ours = {n.replace('.base_layer', ''): t.dtype for n, t in [*net.named_parameters(), *net.named_buffers()]
+            if 'lora_' not in n}
+    theirs = {n: t.dtype for n, t in [*ref.named_parameters(), *ref.named_buffers()]}
+    assert ours == theirs and {torch.float32, torch.bfloat16} <= set(theirs.values())
+    assert net.rope.freqs_cos.dtype == torch.float32
+
+
 # ----------------------------------------------------------------------------- sampling, frames
 
 @pytest.mark.parametrize('version,shift', [('2.1', 3.0), ('2.2', 5.0)])
