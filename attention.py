@@ -45,6 +45,10 @@ Run here (CPU) and equal to 'native': native, _native_math, _native_flash (no ma
 only: no CPU backward). Untested
 (they need a GPU or packages absent here): _native_cudnn, _native_efficient, flash and every other
 flash-attn, sage, xformers, npu and xla backend; bench/attention.py --gpu times and checks those a GPU has.
+
+Wan (wan.py): its processor has no mask (no padding among the video tokens; the cross-attention
+attends to all 512 text tokens, zeros included, as WanPipeline does), so all three values run it as
+shipped, on attention_backend's kernel, and sequence parallel takes diffusers' own Ulysses.
 Tested by: python -m pytest tests/test_attention.py tests/test_sp.py
 """
 import torch

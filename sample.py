@@ -4,9 +4,10 @@ Render base vs aligned with this repository's samplers: videos, a contact sheet,
     python sample.py                                  # toy world: base vs out-toy's newest checkpoint
     python sample.py --prompts="a red circle moving left" --sampler=sage --eta=0.5
     python sample.py --model=weights/HunyuanVideo-1.5-480p_t2v --checkpoint=out --device=cuda --prompts=prompts/eval.txt
+    python sample.py --model=weights/Wan2.1-T2V-1.3B --checkpoint=out-wan --device=cuda --prompts=prompts/eval.txt
 
 Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16 held-out
-prompts x 2 seeds, as train.py evaluates them but other seeds; or HunyuanVideo 1.5 480p's).
+prompts x 2 seeds, as train.py evaluates them but other seeds; or the model family's DEFAULTS).
 Writes out_dir/<name>_<i>.mp4 (base, aligned; clip i: prompt i % P), contact_sheet.png (per prompt,
 first seed: its text, then a row of frames per model) and metrics.json: scores (the toy's exact reward
 and manifold distance, or VideoAlign's; --eval_metrics adds CLIPScore, PickScore), mean over the clips,
@@ -28,17 +29,17 @@ model = 'assets/toy'            # the base model: a diffusers directory, or the 
 checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint) or a ckpt_* dir; '' for none
 prompts = 'assets/toy/eval_prompts.txt'  # one prompt, or a file with one prompt per line
 num_prompts = None              # prompts spread over the file (None: the toy's 16, every colour x direction; else 4)
-samples = None                  # seeds per prompt, the sheet shows the first (None: toy 2, HunyuanVideo 1)
+samples = None                  # seeds per prompt, the sheet shows the first (None: toy 2, else 1)
 negative_prompt = ''            # unconditional branch of classifier-free guidance
-num_steps = None                # sampling steps (None: toy 10 as config/toy.py, HunyuanVideo 480p 50)
-shift = None                    # sigma-schedule shift (None: toy 3.0, HunyuanVideo 480p 5.0)
-cfg = None                      # classifier-free guidance scale (None: toy 1.0 as trained, HunyuanVideo 6.0)
+num_steps = None                # sampling steps (None: toy 10 as config/toy.py, HunyuanVideo 480p and Wan 50)
+shift = None                    # sigma-schedule shift (None: toy 3.0, HunyuanVideo 480p 5.0, Wan 3.0)
+cfg = None                      # classifier-free guidance scale (None: toy 1.0 as trained, HunyuanVideo 6.0, Wan 5.0)
 sampler = 'ode'                 # 'ode' | 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.0                       # SDE noise scale (ignored by 'ode')
-num_frames = None               # clip size (None: the model's: HunyuanVideo 1.5 480p 81 x 480 x 848; the
-height = None                   # toy's is fixed)
+num_frames = None               # clip size (None: the model's: HunyuanVideo 1.5 480p 81 x 480 x 848, Wan
+height = None                   # 81 x 480 x 832; the toy's is fixed)
 width = None
-fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24)
+fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24, Wan 16)
 seed = 0                        # the same seeds for every model: differences are the model's
 device = 'cpu'
 attention = 'valid_tokens'      # blocks' attention: padding left out, no mask (attention.py); 'masked_keys', 'diffusers'

@@ -7,6 +7,7 @@ paper and the released code, each with the switch that restores it: docs/method.
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
     torchrun --nproc_per_node=8 train.py                   # HunyuanVideo 1.5 480p + VideoAlign
+    python train.py config/wan_1gpu.py                     # Wan 2.1 1.3B + VideoAlign on one GPU (wan.py)
     python train.py config/toy.py --sampler=flow --kl_strategy=none --out_dir=out-flow  # a baseline
     python train.py config/toy.py --max_iters=80           # again: out_dir's run continues to 80
 
