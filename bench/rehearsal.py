@@ -15,7 +15,8 @@ The models (tests/tiny_*.py with the released sizes, built once into cache_dir, 
   UMT5-XXL at 4096 wide (64 heads x 64, 10240 gated-gelu FFN, 32 relative-position buckets) with the
   real vocabulary of 256384 and 1 of its 24 layers. Text encoder and VAE saved in bf16, the
   transformer in fp32. Its tokenizer is tests/tiny_wan.py's word-level T5 one (<pad> 0, </s> 1, <unk> 2,
-  the released ids); the prompts below tokenise past the pipeline's 512 and are cut there.
+  the released ids); the prompts below come near the pipeline's cap of 512 tokens
+  (results/rehearsal_wan.json 'text_tokens').
 - HunyuanVideo 1.5 480p: the transformer of assets/hunyuanvideo15_480p_t2v_transformer.json (hidden
   2048 = 16 heads x 128, rope axes (16, 56, 56), 2 refiner layers, the 2048-wide ByT5 projection) with
   `blocks` of its 54 blocks; the VAE at its released widths (32 latent channels, 16x spatial, 4x
@@ -290,8 +291,10 @@ def report(res, dest=out):
           '| phase | command | exit | wall s | peak RSS GB (tree) | largest process GB |', '|---|---|---|---|---|---|']
     for p in res['phases']:
         md.append(f'| {p["name"]} | `{p["cmd"]}` | {p["rc"]} | {p["seconds"]} | {p["peak_rss_gb"]} | {p.get("peak_proc_gb", "")} |')
-    md += ['', f'SIGTERM went to {res.get("sigterm_workers", 0)} workers once ckpt_000001 was published; '
-           'iterations 1-2 ran on 2 ranks, 3 on 1 rank after the resume.', '',
+    ranks = res.get('checks', {}).get('peak_mem_gb_ranks', [])  # one entry a rank, per logged iteration
+    where = '; '.join(f'iteration {i + 1} on {len(r)} rank{"s" * (len(r) > 1)}' for i, r in enumerate(ranks))
+    md += ['', f'SIGTERM went to {res.get("sigterm_workers", 0)} workers once ckpt_000001 was published '
+           f'(they stop at the next forward and keep the last finished iteration); {where or "no iteration logged"}.', '',
            '## Read back from what the runs wrote', '', '```',
            '\n'.join(f'{k}: {json.dumps(v)}' for k, v in res.get('checks', {}).items()), '```', '']
     if res.get('failed'):
