@@ -4,7 +4,8 @@ hunyuan15.py.
 
     hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir weights/Wan2.1-T2V-1.3B
     python train.py config/wan_1gpu.py                            # Wan 2.1 1.3B on one GPU
-    torchrun --nproc_per_node=8 train.py config/wan_1gpu.py --model=weights/Wan2.1-T2V-14B --lora_rank=0
+    torchrun --nproc_per_node=8 train.py config/wan_1gpu.py --model=weights/Wan2.1-T2V-14B --sp_size=2 \
+        --prompts_per_iter=8                                      # 14B: FSDP2 and sequence parallel
 
 Also Wan-AI/Wan2.1-T2V-14B-Diffusers (40 blocks of width 5120) and Wan-AI/Wan2.2-TI2V-5B-Diffusers
 (its text-to-video path: 48 latent channels, 16x spatial compression, one timestep per video token;
@@ -43,7 +44,8 @@ PIPELINE = 'WanPipeline'
 TRANSFORMER = 'WanTransformer3DModel'
 HUB_ID = 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'
 # WanPipeline's own defaults (it has no default negative prompt); shift: diffusers' 480p value
-DEFAULTS = dict(sample_steps=50, shift=3.0, cfg=5.0, fps=16, negative_prompt='', num_frames=81, height=480, width=832)
+DEFAULTS = dict(sample_steps=50, shift=3.0, cfg=5.0, fps=16, negative_prompt='', num_frames=81, height=480,
+                width=832)
 LORA_TARGETS = ['to_q', 'to_k', 'to_v', 'to_out.0']  # self- and cross-attention projections of every block
 TEXT_TOKENS = 512  # UMT5 tokens a prompt is padded to: WanPipeline.__call__'s max_sequence_length
                    # (encode_prompt's own default is 226: passed explicitly below)

@@ -58,6 +58,24 @@ def test_fixed_order_forward_is_diffusers_forward():
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_wan_rows_run_train_pys_velocity():
+    # the Wan rows' forward (wan_velocity, on a model wan_build makes) is model.velocity's, text
+    # padding and CFG included; and wan_tokens counts what the patch embedding makes
+    from diffusers import WanTransformer3DModel as W
+    from model import velocity
+    cfg = dict(num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=16,
+               ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+    torch.manual_seed(0)
+    model = W(**cfg).eval()
+    assert type(bf.wan_build(cfg)) is W and bf.WAN.blocks(model) is model.blocks
+    x, s = torch.randn(2, 16, 3, 4, 6), torch.tensor([0.7, 0.3])  # 9 frames at 32x48
+    text, neg = [torch.randn(2, 5, 16), torch.ones(2, 5)], [torch.randn(2, 2, 16), torch.ones(2, 2)]
+    with torch.no_grad():
+        torch.testing.assert_close(bf.wan_velocity(model, x, s, text, neg, bf16=False),
+                                   velocity(model, x, s, text, cfg=5.0, text_neg=neg))
+        assert model.patch_embedding(x).flatten(2).shape[2] == bf.wan_tokens(9, 32, 48) == 3 * 2 * 3
+
+
 def test_bench_attention_is_set_as_the_load_path_sets_it():
     # build() sets the blocks' attention with hunyuan15.set_attention, as model.load_transformer does;
     # masked keys: train.py's 'masked_keys' (its default, valid_tokens, needs mask values fake tensors lack)

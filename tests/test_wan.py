@@ -49,7 +49,7 @@ def roots(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def pipes(roots):
-    return {k: WanPipeline.from_pretrained(r, torch_dtype=torch.float32) for k, r in roots.items()}  # the references
+    return {k: WanPipeline.from_pretrained(r, torch_dtype=torch.float32) for k, r in roots.items()}  # references
 
 
 @pytest.fixture(scope='module')
@@ -109,8 +109,8 @@ def test_velocity_is_the_pipeline_transformer_call(roots, pipes, encoded, versio
     torch.testing.assert_close(model.velocity(net, x, s, text, CFG, text_neg), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.velocity(net, x, s, text), v_c, atol=1e-5, rtol=1e-5)  # cfg 1
     # what the padding is for: Wan attends to the 512 zero-padded tokens, unmasked
-    unpadded = net(hidden_states=x, timestep=pipeline_timestep(pipe, s, x.shape[1:]), encoder_hidden_states=text[0],
-                   return_dict=False)[0]
+    unpadded = net(hidden_states=x, timestep=pipeline_timestep(pipe, s, x.shape[1:]),
+                   encoder_hidden_states=text[0], return_dict=False)[0]
     assert (unpadded - v_c).abs().max() > 1e-3
 
 
@@ -176,7 +176,8 @@ def test_sp2_velocity_and_gradient_equal_one_process(roots, tmp_path):
                   w=torch.randn(x.shape, generator=g))
     torch.save(inputs, tmp_path / 'inputs.pt')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           os.path.join(ROOT, 'tests', 'sp_worker.py'), roots['2.2'], str(tmp_path / 'inputs.pt'), str(tmp_path / 'out.pt')]
+           os.path.join(ROOT, 'tests', 'sp_worker.py'), roots['2.2'], str(tmp_path / 'inputs.pt'),
+           str(tmp_path / 'out.pt')]
     p = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT), cwd=ROOT,
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, f'rc {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}'
@@ -202,13 +203,15 @@ def test_sp2_velocity_and_gradient_equal_one_process(roots, tmp_path):
 
 def test_train_ranks_sp_resume_export_and_sample(roots, tmp_path):
     ckpt_dir, qwen_dir = make_tiny_videoalign(str(tmp_path / 'va'))
-    (tmp_path / 'train.txt').write_text('a red car moving left\na blue circle moving up\na green cat on the ground\n')
+    (tmp_path / 'train.txt').write_text('a red car moving left\na blue circle moving up\n'
+                                        'a green cat on the ground\n')
     (tmp_path / 'eval.txt').write_text('a red fox runs through deep snow\na sign reads number\n')
     args = ['train.py', f'--model={roots["2.1"]}', '--reward_model=videoalign', f'--videoalign_dir={ckpt_dir}',
-            f'--qwen_dir={qwen_dir}', '--eval_metrics=', '--device=cpu', '--num_frames=9', '--height=32', '--width=32',
-            '--fps=8', '--num_steps=2', '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1',
-            '--max_iters=3', '--eval_every=0', '--eval_videos=0', '--save_every=2', '--optimizer=adamw',
-            '--learning_rate=1e-4', f'--train_prompts={tmp_path / "train.txt"}', f'--eval_prompts={tmp_path / "eval.txt"}']
+            f'--qwen_dir={qwen_dir}', '--eval_metrics=', '--device=cpu', '--num_frames=9', '--height=32',
+            '--width=32', '--fps=8', '--num_steps=2', '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2',
+            '--train_batch=1', '--max_iters=3', '--eval_every=0', '--eval_videos=0', '--save_every=2',
+            '--optimizer=adamw', '--learning_rate=1e-4', f'--train_prompts={tmp_path / "train.txt"}',
+            f'--eval_prompts={tmp_path / "eval.txt"}']
     one, two, sp2, back = (str(tmp_path / d) for d in ('one', 'two', 'sp2', 'back'))
     run(args + [f'--out_dir={one}', '--export_dtype=float32'])
     run(args + [f'--out_dir={two}', '--export_dtype='], torchrun=True)               # 2 FSDP ranks

@@ -29,7 +29,8 @@ WORDS = ('a an the of in on at to and with is moving left right up down red gree
 TINY = dict(
     vocab_size=None,  # UMT5 embedding rows (None: the tokenizer's own size; 256384 released)
     text=dict(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, relative_attention_num_buckets=8),
-    vae=dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+    vae=dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+             temperal_downsample=[False, True, True]),
     transformer=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, ffn_dim=32, num_layers=2,
                      rope_max_seq_len=32),
     expand_timesteps=False,  # Wan 2.2 TI2V-5B: True (one timestep per video token)
@@ -42,7 +43,8 @@ TINY = dict(
 TINY_22 = dict(TINY, expand_timesteps=True, vae=dict(
     base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2, dim_mult=[1, 1, 1, 1],
     num_res_blocks=1, temperal_downsample=[False, True, True], scale_factor_spatial=16, scale_factor_temporal=4,
-    latents_mean=[round(0.05 * i - 1.2, 4) for i in range(48)], latents_std=[round(0.5 + 0.03 * i, 4) for i in range(48)]))
+    latents_mean=[round(0.05 * i - 1.2, 4) for i in range(48)],
+    latents_std=[round(0.5 + 0.03 * i, 4) for i in range(48)]))
 
 
 def make_tokenizer(words=WORDS):
@@ -105,4 +107,5 @@ def make_tiny_wan(root, sizes=TINY):
 
 if __name__ == '__main__':  # python tests/tiny_wan.py /tmp/tiny_wan [2.2]
     import sys
-    print(make_tiny_wan(sys.argv[1] if len(sys.argv) > 1 else '/tmp/tiny_wan', TINY_22 if '2.2' in sys.argv[2:] else TINY))
+    print(make_tiny_wan(sys.argv[1] if len(sys.argv) > 1 else '/tmp/tiny_wan',
+                        TINY_22 if '2.2' in sys.argv[2:] else TINY))
