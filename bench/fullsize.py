@@ -9,6 +9,14 @@ dtypes, no storage), and a ready check for the day GPUs are at hand.
     python -m bench.fullsize --gpu                     # one GPU: LoRA micro-step, rollout forward, bf16 batch invariance
     torchrun --nproc_per_node=8 -m bench.fullsize --gpu   # all GPUs: a full fine-tune micro-step (FSDP2)
     python -m bench.fullsize --gpu --tiny --device=cpu    # the check at tiny size on a CPU (tests/test_fullsize.py)
+    python -m bench.fullsize --only=wan,wansp --reuse=True  # the Wan 2.1 rows alone (the others read back),
+    python -m bench.fullsize --reuse=True              # then the report and README block from every kept run
+
+Wan 2.1 T2V 1.3B and 14B (wan.py; assets/wan21_t2v_*_transformer.json, the released configs) are
+measured the same way at their own clip size, 81x480x832: a full fine-tune on 8 GPUs (FSDP2) and on
+one GPU (no FSDP: fp32 master weights, bf16 autocast, as load_policy keeps them), and LoRA r64 on
+one GPU; their own section of fullsize.md and rows of the README block. Wan's attention has no mask
+(wan.py): on a GPU flash attention takes it, which allocates what the memory-efficient kernel does.
 
 How the estimate measures: the transformer is built from its config (data:
 assets/hunyuanvideo15_480p_t2v_transformer.json, the diffusers class defaults) on the meta device,
@@ -104,6 +112,10 @@ tflops = 400.0                  # assumed sustained bf16 TFLOP/s per GPU, for ti
 videoalign_params = 2.2e9       # Qwen2-VL-2B + reward head (reward.py), resident in bf16
 metrics_params = 1.414e9        # CLIP-L (428M) + PickScore (CLIP-H, 986M): bf16, resident during evaluation only
 processor = 'masked_keys'       # the blocks' attention (hunyuan15.set_attention): 'masked_keys' | 'diffusers'
+wan_models = ('1.3b', '14b')    # Wan 2.1 T2V rows (assets/wan21_t2v_<m>_transformer.json)
+wan_clip = (81, 480, 832)       # Wan 2.1's frames x H x W: 21 x 30 x 52 = 32,760 video tokens
+wan_clips_1gpu = 8              # clips an iteration on one GPU (config/wan_1gpu.py: 2 prompts x G 4)
+wan_sp = 2                      # sp degree of one more 14B row, full FT on 8 GPUs (part 'wansp'; 0: none)
 seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
@@ -118,12 +130,13 @@ def load_config(path=model_config):
         return {k: v for k, v in json.load(f).items() if not k.startswith('_')}
 
 
-def build(cfg, lora=0, checkpointing=True, bf16_base=True, attn=None):
+def build(cfg, lora=0, checkpointing=True, bf16_base=True, attn=None, cls=None):
     """The transformer on the meta device (no memory), its blocks' attention set as model.load_transformer
-    sets it; LoRA adapters as model.load_policy adds them."""
+    sets it; LoRA adapters as model.load_policy adds them. cls: another family's transformer class
+    (WanTransformer3DModel, with its own attention; its LORA_TARGETS have the same names)."""
     from diffusers import HunyuanVideo15Transformer3DModel as T
     with torch.device('meta'):
-        model = set_attention(T.from_config(cfg), attn or processor)
+        model = set_attention(T.from_config(cfg), attn or processor) if cls is None else cls.from_config(cfg)
         if lora:
             from peft import LoraConfig
             model.requires_grad_(False)
@@ -232,9 +245,9 @@ def inputs(cfg, n, Fr, H, W, L1, L2, dev):
     return store, text(), text()
 
 
-def train_step(model, anchor, opt, store, text, text_neg, bf16, phase):
+def train_step(model, anchor, opt, store, text, text_neg, bf16, phase, velocity=velocity):
     """step_losses + backward for one clip at one step, then clip + AdamW; phase(name) is called
-    after each part (the caller records peaks and FLOPs there)."""
+    after each part (the caller records peaks and FLOPs there). velocity: the family's (Wan: wan_velocity)."""
     x, x_next, mean_old = store['xs'][:1, 3], store['xs'][:1, 4], store['means'][:1, 3]  # (1, C, f, h, w)
     s = torch.full((1,), 0.9, device=x.device)
     dt, std, A, logp_old = -0.05, 0.1, 1.0, 0.0  # constants: fake tensors cannot branch on values
@@ -256,7 +269,7 @@ def train_step(model, anchor, opt, store, text, text_neg, bf16, phase):
     phase('optimizer step')
 
 
-def rollout_step(model, store, text, text_neg, n, bf16, phase):
+def rollout_step(model, store, text, text_neg, n, bf16, phase, velocity=velocity):
     """One sampling forward of n clips with CFG (2n in the batch), no grad."""
     x = store['xs'][:n, 0]                                               # (n, C, f, h, w)
     with torch.no_grad():
@@ -277,6 +290,12 @@ def setup(model, dev, grads=True):
     if not grads:
         opt.zero_grad(set_to_none=True)
     return opt
+
+
+# what measure() runs of a model family: HunyuanVideo 1.5's (the functions above), Wan's (WAN, below)
+HUNYUAN = SimpleNamespace(build=build, forward=transformer, velocity=velocity, inputs=inputs, tokens=video_tokens,
+                          blocks=lambda m: m.transformer_blocks, text=lambda L1, L2: L1 + L2 + IMAGE_TOKENS,
+                          cp_plan=cp_plan)
 
 
 class FlopCount(TorchDispatchMode):
@@ -302,18 +321,20 @@ def snap(tracker, kind='current'):
 
 
 def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16=True, n_store=None, L=None,
-            rollout_n=rollout_batch, proc=None, sp=1):
+            rollout_n=rollout_batch, proc=None, sp=1, fam=None):
     """Peak bytes per rank by category and FLOPs of one micro-step ('train') or one rollout forward
     ('rollout'). world > 0: FSDP2 over a fake process group of `world` ranks (fake=True only).
     proc: the blocks' attention (hunyuan15.set_attention; default the `processor` setting).
     sp > 1: sequence parallel as train.py sets it (sp.enable over a (dp, 1, sp) mesh of the same
-    ranks; FSDP2 still over all of them): each rank runs the blocks on 1/sp of a clip's tokens."""
+    ranks; FSDP2 still over all of them): each rank runs the blocks on 1/sp of a clip's tokens.
+    fam: the model family's functions (HUNYUAN, the default, or WAN)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch._subclasses.fake_tensor import FakeTensorMode
     t0 = time.time()
     torch.manual_seed(seed)
     L1, L2 = L or text_tokens
+    f = fam or HUNYUAN
     n_store = n_store if n_store is not None else clips * sp // max(world, 1)  # an sp group shares its clips
     mesh = sp_mesh = None
     if world:
@@ -325,19 +346,21 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         mesh = init_device_mesh('cpu', (world,))  # before the fake mode: a mesh of real ranks
         if sp > 1:
             import sp as sp_mod
-            if video_tokens(Fr, H, W) % sp:  # hunyuan15.pad_for_sp's check, before anything is built
-                raise ValueError(f'{video_tokens(Fr, H, W)} video tokens do not split over sp {sp}')
+            if f.tokens(Fr, H, W) % sp:  # the family's check (hunyuan15.pad_for_sp), before anything is built
+                raise ValueError(f'{f.tokens(Fr, H, W)} video tokens do not split over sp {sp}')
             sp_mesh = sp_mod.mesh(sp, 'cpu')
-            L1 += -(L1 + L2 + IMAGE_TOKENS) % sp  # hunyuan15.pad_for_sp: the text split evenly too
+            if f is HUNYUAN:  # hunyuan15.pad_for_sp: the text split evenly too (Wan does not split its text)
+                L1 += -(L1 + L2 + IMAGE_TOKENS) % sp
     proc = proc or processor
-    model = build(cfg, lora, attn=proc)
-    model.forward = partial(transformer, model)  # called as model(...): FSDP's root hooks gather its weights
+    model = f.build(cfg, lora, attn=proc)
+    if f.forward:  # called as model(...): FSDP's root hooks gather its weights
+        model.forward = partial(f.forward, model)
     P = sum(p.numel() for p in model.parameters())
     P_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world:
-        shard(model, model.transformer_blocks, cuda=bf16, mesh=mesh)  # cuda=bf16: the GPU's mixed precision
+        shard(model, f.blocks(model), cuda=bf16, mesh=mesh)  # cuda=bf16: the GPU's mixed precision
     if sp_mesh is not None:
-        sp_mod.enable(model, sp_mesh, cp_plan(model))
+        sp_mod.enable(model, sp_mesh, f.cp_plan(model))
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     if fake and world:
         # DTensor infers output shapes by running each op on global-shape fake tensors, in the fake
@@ -347,7 +370,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         prop_mode = FakeTensorMode(allow_non_fake_inputs=True)
         sharding_prop.detect_fake_mode = lambda *a, **k: prop_mode
     res = dict(what=what, frames=Fr, height=H, width=W, world=world, sp=sp, lora=lora, attention=proc, P=P, P_trainable=P_train,
-               tokens=video_tokens(Fr, H, W), text=L1 + L2 + IMAGE_TOKENS, phases={})
+               tokens=f.tokens(Fr, H, W), text=f.text(L1, L2), phases={})
     with mode, attention(attn):
         model.to_empty(device='cpu')
         if not fake:  # real weights: small random values written to every page
@@ -368,7 +391,7 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
             base = snap(tracker).get('Total', 0)
             anchor = Anchor(model, 'dual')  # a frozen sharded fp32 copy of the trainable weights
             mid = snap(tracker)['Total']
-            store, text, text_neg = inputs(cfg, max(n_store, rollout_n), Fr, H, W, L1, L2, 'cpu')
+            store, text, text_neg = f.inputs(cfg, max(n_store, rollout_n), Fr, H, W, L1, L2, 'cpu')
             resident = dict(anchor=mid - base, store=snap(tracker)['Total'] - mid)
             last = [0, 0]
 
@@ -382,9 +405,9 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
                 if name == 'anchor forward':  # FSDPMemTracker's module stats allow one forward per module
                     tracker.reset_mod_stats()
             if what == 'train':
-                train_step(model, anchor, opt, store, text, text_neg, bf16, phase)
+                train_step(model, anchor, opt, store, text, text_neg, bf16, phase, f.velocity)
             else:
-                rollout_step(model, store, text, text_neg, rollout_n, bf16, phase)
+                rollout_step(model, store, text, text_neg, rollout_n, bf16, phase, f.velocity)
     for h in hooks:
         setattr(torch.Tensor, h, saved[h])
     res['resident'] = resident
@@ -443,14 +466,14 @@ def estimate():
     extras = {'VAE (bf16)': 2 * vae_P, 'VideoAlign (bf16)': 2 * videoalign_params}
     os.makedirs(os.path.join(out_dir, 'fullsize_runs'), exist_ok=True)
 
-    def run(key, *args, **kw):  # one measurement, kept in fullsize_runs/ (--reuse: read back)
+    def run(key, *args, model_cfg=None, **kw):  # one measurement, kept in fullsize_runs/ (--reuse: read back)
         path = os.path.join(out_dir, 'fullsize_runs', key + '.json')
         if reuse and os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
         if only and key.split('_')[0].rstrip('0123456789') not in only.split(','):  # sp2_... is part 'sp'
             return None
-        r = measure(cfg, *args, **kw)
+        r = measure(model_cfg or cfg, *args, **kw)
         with open(path, 'w') as f:
             json.dump(r, f, indent=1, default=str)
         print(f'[{time.time() - t0:5.0f}s] {key}: peak {r["peak"]["Total"] / GiB:.1f} GiB', flush=True)
@@ -482,6 +505,9 @@ def estimate():
                 r = run(f'{what}_{H}x{W}' if same else f'sp{n}_{what}_{Fr}x{H}x{W}{sfx}', what, Fr, H, W, sp=n)
                 if r is not None:
                     seq.append(dict(r, sp=n))  # (runs measured before sp was recorded are sp 1)
+    wan_rows = wan_runs(run)  # Wan 2.1 1.3B and 14B (their section below)
+    for r in wan_rows:
+        r['categories'] = categories(r)
     blk = build(cfg, checkpointing=False).transformer_blocks[0]
     P_blk = sum(p.numel() for p in blk.parameters())
     P_txt = sum(p.numel() for n, p in blk.named_parameters() if 'context' in n or 'add_' in n)
@@ -490,7 +516,8 @@ def estimate():
         r['formula'] = formula(r['P'], P_blk, P_txt, cfg['num_layers'], cfg['num_attention_heads'] *
                                cfg['attention_head_dim'], r['tokens'], r['text'])
     out = dict(config=config, extras=extras, eval_extras={'CLIP-L + PickScore (bf16)': 2 * metrics_params},
-               runs=runs, reference=reference, sp=seq, seconds=time.time() - t0, torch=torch.__version__)
+               runs=runs, reference=reference, sp=seq, wan=wan_rows, wan_extras=wan_extras(),
+               seconds=time.time() - t0, torch=torch.__version__)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'fullsize.json'), 'w') as f:
         json.dump(out, f, indent=1, default=str)
@@ -569,7 +596,8 @@ def sp_summary(out):
 
 
 def update_readme(out, path='README.md'):
-    C.put_block(path, 'bench.fullsize', [summary(out)] + (['', sp_summary(out)] if out.get('sp') else []))
+    C.put_block(path, 'bench.fullsize', [summary(out)] + (['', sp_summary(out)] if out.get('sp') else [])
+                + (['', wan_summary(out)] if out.get('wan') else []))
 
 
 def report(out):
@@ -652,6 +680,8 @@ def report(out):
                '`python -m bench.attention --gpu` (results/attention_gpu.md).', '']
     if out.get('sp'):
         md += sp_report(out, g)
+    if out.get('wan'):
+        md += wan_report(out, g)
     md += ['### Against bench/toy.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
     for r in [r for r in runs if r['world'] and r['what'] == 'train']:
         m, f = r['categories'], r['formula']
@@ -764,6 +794,141 @@ def sp_report(out, g):
                'attention forward in its backward (_native_attention_backward_op), one more attention forward per '
                "block on top of the checkpointing recompute. train.py's default attention, valid_tokens, does the "
                'all-to-all itself around the backend\'s own differentiable kernel: no recompute (attention.py).', '']
+    return md
+
+
+# ----------------------------------------------------------------------------- Wan 2.1 (wan.py)
+
+WAN_SETUPS = (('full FT, 8 GPUs', 'fsdp8'), ('full FT, 1 GPU', 'full1'), ('LoRA r64, 1 GPU', 'lora1'))
+
+
+def wan_tokens(Fr, H, W):
+    """Wan 2.1's video tokens for Fr frames at H x W (VAE 4x in time, 8x in space; 2x2 patches)."""
+    return ((Fr - 1) // 4 + 1) * (H // 16) * (W // 16)
+
+
+def wan_inputs(cfg, n, Fr, H, W, L1, L2, dev):
+    """inputs() for Wan: the stored rollout of n clips (16 latent channels, 8x spatial), and one
+    text tensor of wan.TEXT_TOKENS (512) UMT5 tokens with its mask (L1, L2 unused: Wan pads to 512)."""
+    import wan
+    C, f, h, w = cfg['out_channels'], (Fr - 1) // 4 + 1, H // 8, W // 8
+    store = dict(xs=torch.randn(n, num_steps + 1, C, f, h, w, device=dev),   # float32, as sample() keeps
+                 means=torch.randn(n, num_steps, C, f, h, w, device=dev))
+    text = lambda: [torch.randn(1, wan.TEXT_TOKENS, cfg['text_dim'], device=dev), torch.ones(1, wan.TEXT_TOKENS, device=dev)]
+    return store, text(), text()
+
+
+def wan_velocity(model, x, s, text, text_neg, bf16):
+    """model.velocity for Wan with CFG (wan.forward, diffusers' own transformer forward), both
+    branches in one batch; CPU autocast stands in for CUDA's."""
+    import wan
+    B = x.shape[0]
+    with torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+        v = wan.forward(model, torch.cat([x, x]), torch.cat([s, s]), _cat_text(text, text_neg)).float()
+    return v[B:] + 5.0 * (v[:B] - v[B:])                                 # (B, ...) guided
+
+
+def wan_build(cfg, lora=0, checkpointing=True, bf16_base=True, attn=None):
+    from diffusers import WanTransformer3DModel
+    return build(cfg, lora, checkpointing, bf16_base, cls=WanTransformer3DModel)
+
+
+def wan_cp_plan(model):
+    import wan
+    return wan.cp_plan(model)
+
+
+WAN = SimpleNamespace(build=wan_build, forward=None, velocity=wan_velocity, inputs=wan_inputs, tokens=wan_tokens,
+                      blocks=lambda m: m.blocks, text=lambda L1, L2: 512, cp_plan=wan_cp_plan)
+
+
+def wan_runs(run):
+    """The Wan 2.1 rows: each model of wan_models at wan_clip, a training micro-step and a rollout
+    forward for every setup of WAN_SETUPS (one GPU: wan_clips_1gpu clips stored, one per rollout forward),
+    and for 14B the full fine-tune on 8 GPUs at sp wan_sp too (keys 'wansp<n>_...': part 'wansp')."""
+    out, (Fr, H, W) = [], wan_clip
+    for m in wan_models:
+        cfg = load_config(f'assets/wan21_t2v_{m}_transformer.json')
+        setups = WAN_SETUPS + (((f'full FT, 8 GPUs, sp {wan_sp}', 'fsdp8'),) if m == '14b' and wan_sp > 1 else ())
+        for name, key in setups:
+            kw = dict(world=gpus) if key == 'fsdp8' else dict(world=0, n_store=wan_clips_1gpu, rollout_n=1)
+            n = wan_sp if 'sp' in name else 1
+            for what in ('train', 'rollout'):
+                r = run(f'wan{"sp" + str(n) if n > 1 else ""}_{m}_{key}_{what}_{Fr}x{H}x{W}', what, Fr, H, W,
+                        model_cfg=cfg, fam=WAN, lora=lora_rank if key == 'lora1' else 0, sp=n, **kw)
+                if r is not None:
+                    out.append(dict(r, model=f'Wan 2.1 {m.upper()}', setup=name))
+    return out
+
+
+def wan_extras():
+    """Bytes resident beside the transformer in a Wan run: the VAE in float32 (wan.load_decoder; the
+    class defaults are Wan 2.1's VAE) and VideoAlign in bf16; UMT5 is freed before training."""
+    from diffusers import AutoencoderKLWan
+    with torch.device('meta'):
+        vae_P = sum(p.numel() for p in AutoencoderKLWan().parameters())
+    return {'VAE (fp32)': 4 * vae_P, 'VideoAlign (bf16)': 2 * videoalign_params}
+
+
+def wan_flops(r):
+    """TFLOP of one pass (one clip, one CFG branch; at sp n, all n ranks of its group): a forward, or a
+    forward + backward (with the block recompute) of the update."""
+    ph, n = r['phases'], r.get('sp', 1)
+    if r['what'] == 'rollout':
+        return n * ph['rollout forward']['flops'] / (2 * (rollout_batch if r['world'] else 1)) / 1e12
+    return n * (ph['policy forward']['flops'] + ph['backward']['flops']) / 2 / 1e12
+
+
+def wan_summary(out):
+    """The README's Wan rows: per model and setup, the per-GPU peak of an iteration's update and
+    rollout with the VAE and VideoAlign resident."""
+    extras, rows = sum(out['wan_extras'].values()), []
+    pairs = {}
+    for r in out['wan']:
+        pairs.setdefault((r['model'], r['setup']), {})[r['what']] = r
+    for (m, setup), rs in pairs.items():
+        peak = {k: (r['categories']['total'] + extras) / GiB for k, r in rs.items()}
+        top = max(peak.values())
+        rows.append([m, setup, f'{peak["train"]:.1f}' if 'train' in peak else '', f'{peak["rollout"]:.1f}' if
+                     'rollout' in peak else '', 'yes' if top <= gpu_gb else 'no'])
+    return table(['Wan 2.1, 81x480x832', 'setup', 'update peak GiB/GPU', 'rollout peak GiB/GPU',
+                  f'fits {gpu_gb:.0f} GB'], rows)
+
+
+def wan_report(out, g):
+    """results/fullsize.md's Wan 2.1 section."""
+    runs, extras, c = out['wan'], out['wan_extras'], out['config']
+    Fr, H, W = c.get('wan_clip', wan_clip)
+    md = [f'### Wan 2.1 T2V 1.3B and 14B at {Fr}x{H}x{W} (wan.py)', '',
+          f'The same micro-step and rollout forward as above, with WanTransformer3DModel built from the released configs '
+          f'(assets/wan21_t2v_*_transformer.json) and called through wan.forward: {wan_tokens(Fr, H, W):,} video tokens '
+          '(VAE 4x in time, 8x in space, 2x2 patches), 512 UMT5 text tokens of width 4096 attended by every block\'s '
+          'cross-attention without a mask, CFG 2 branches. Full fine-tune on 8 GPUs: FSDP2 as above, '
+          f'{c["clips"] // gpus} clips stored a rank, {c["rollout_batch"]} per rollout forward. On one GPU (train.py '
+          'without torchrun): no FSDP, the full fine-tune keeps fp32 master weights, AdamW state, gradients and the fp32 '
+          f'anchor on the device, bf16 autocast; LoRA r{c["lora_rank"]} keeps the frozen base in bf16 and adapters, AdamW '
+          f'and anchor in fp32; {c.get("wan_clips_1gpu", wan_clips_1gpu)} clips stored, one per rollout forward. '
+          f'14B also at sp {c.get("wan_sp", wan_sp)} (sp.py over the same 8 ranks, diffusers\' own _cp_plan: a rank '
+          'runs the blocks on its share of the video tokens and the whole text), its sp group\'s clips stored. '
+          'The optimizer state is AdamW\'s (8 bytes a trained parameter); train.py\'s default Muon keeps 4 on its 2-D '
+          'matrices, so the full fine-tune\'s optimizer row is an upper bound. Resident beside the transformer: '
+          + ', '.join(f'{k} {g(v)} GiB' for k, v in extras.items()) + ' (the UMT5-XXL text encoder is freed once the '
+          'prompts are cached).', '']
+    cats = list(runs[0]['categories'])
+    name = lambda r: f'{r["model"]}, {r["setup"]}: {r["what"]}'
+    rows = [[k] + [g(r['categories'][k]) for r in runs] for k in cats]
+    rows.append(['peak phase'] + [r['peak_phase'] for r in runs])
+    rows.append(['**total with VAE and VideoAlign**'] + [f'**{g(r["categories"]["total"] + sum(extras.values()))}**'
+                                                          for r in runs])
+    rows.append([f'fits {c["gpu_gb"]:.0f} GB'] + ['yes' if (r['categories']['total'] + sum(extras.values())) / GiB
+                                                  <= c['gpu_gb'] else 'no' for r in runs])
+    rows.append(['TFLOP a pass (one clip, one CFG branch; all ranks of an sp group)'] + [f'{wan_flops(r):.1f}' for r in runs])
+    md += [table(['GiB per GPU'] + [name(r) for r in runs], rows), '']
+    P = {r['model']: r['P'] for r in runs}
+    md += ['Parameters: ' + ', '.join(f'{m} {p / 1e9:.3f} B' for m, p in P.items()) + '. A pass is one clip through '
+           'the transformer for one CFG branch: a forward (rollout, evaluation) or a forward and a backward with its '
+           'block recompute (update); the anchor\'s forward costs a forward. An iteration of G clips a prompt and N '
+           'steps, all trained, costs about G x N x 2 x (forward + anchor forward + forward-backward) per prompt.', '']
     return md
 
 
