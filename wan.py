@@ -24,10 +24,13 @@ solver on the flow sigmas; this project's rollouts and sample.py take their own 
 (docs/method.md section 2) on the flow sigmas of section 1, whose ODE step equals diffusers'
 FlowMatchEulerDiscreteScheduler(shift=...).step (docs/method.md section 9).
 
-attention: both settings run Wan's own WanAttnProcessor, which has no mask to drop: the video
-self-attention has no padding, and the text cross-attention must see all 512 tokens, zeros included,
-to give the pipeline's velocity (masking them would change it). Sequence parallel composes with it
-as shipped (diffusers' _cp_plan for this class; the cross-attention keeps the whole text).
+attention (attention.py's settings): Wan's own WanAttnProcessor has no mask to drop, so every value
+of `attention` runs it as shipped: valid_tokens (the video self-attention has no padding; the text
+cross-attention's 512 tokens, zeros included, are all valid: masking the zeros would change the
+pipeline's velocity), masked_keys (no key is masked) and diffusers (its processor) are one
+computation. attention_backend is its kernel (every block's self- and cross-attention). Sequence
+parallel runs diffusers' own Ulysses on the self-attention (its _cp_plan for this class; the
+cross-attention keeps the whole text), which needs a backend with context parallelism (cp_plan says so).
 Tested by: python -m pytest tests/test_wan.py
 """
 import inspect
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import sp
-from attention import ATTENTIONS
+from attention import ATTENTIONS, backend as dispatcher_backend, ulysses_refuses
 
 PIPELINE = 'WanPipeline'
 TRANSFORMER = 'WanTransformer3DModel'
@@ -59,12 +62,14 @@ def missing(path, what, err):
         f'and pass --model=weights/Wan2.1-T2V-1.3B')
 
 
-def load_transformer(path, meta=False, attention=ATTENTIONS[0]):
+def load_transformer(path, meta=False, attention=ATTENTIONS[0], backend='native'):
     """The transformer in float32 (the trainer's master weights) on the CPU, or on the meta device
-    (shapes only), with diffusers' own attention processor (see the module docstring)."""
+    (shapes only), with diffusers' own attention processor on dispatcher backend `backend` (every
+    `attention` value is that one computation: see the module docstring)."""
     from diffusers import WanTransformer3DModel as T
     if attention not in ATTENTIONS:
         raise SystemExit(f'attention must be one of {ATTENTIONS}, got {attention!r}')
+    backend = dispatcher_backend(backend)  # diffusers' AttentionBackendName, its packages checked
     try:
         if meta:
             with torch.device('meta'):
@@ -76,6 +81,9 @@ def load_transformer(path, meta=False, attention=ATTENTIONS[0]):
             net.expand_timesteps = bool(json.load(f).get('expand_timesteps', False))
     except (OSError, ValueError) as e:
         raise missing(path, 'transformer', e) from e
+    for block in net.blocks:  # WanAttnProcessor: no mask, in self- and cross-attention alike
+        block.attn1.processor._attention_backend = backend
+        block.attn2.processor._attention_backend = backend
     return net
 
 
@@ -176,5 +184,12 @@ def cp_plan(net):
     """diffusers' own WanTransformer3DModel._cp_plan: the rope tables and block 0's video tokens split
     on the token axis, the output projection gathered; the text is not split (each rank's video
     queries attend to all of it). Its per-token timestep entry only where timesteps are per token
-    (Wan 2.1's are per clip: diffusers would warn that it cannot split them)."""
+    (Wan 2.1's are per clip: diffusers would warn that it cannot split them). The backend must
+    have diffusers' Ulysses: any other would attend within each rank's own tokens, silently."""
+    backend = net.blocks[0].attn1.processor._attention_backend
+    if ulysses_refuses(backend):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+        able = ', '.join(sorted(_AttentionBackendRegistry._supports_context_parallel))
+        raise SystemExit(f"sequence parallel runs diffusers' Ulysses for Wan, which attention_backend "
+                         f"{backend.value!r} lacks: use one of {able}")
     return {k: v for k, v in net._cp_plan.items() if k or getattr(net, 'expand_timesteps', False)}

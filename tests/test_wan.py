@@ -5,6 +5,8 @@ per-token timesteps), then train.py and sample.py end to end on the Wan 2.1 one:
 - text: the cached prompt tensors are encode_prompt's (UMT5, 512 tokens), trimmed to the valid tokens;
 - velocity: model.velocity through the cache round trip equals the pipeline's own transformer calls
   with its own text (both CFG branches, its timestep layout), and the cached text must be padded back;
+- attention: every `attention` value runs Wan's own processor (no mask to drop) on attention_backend's
+  kernel, the pipeline transformer's velocity; sp refuses a backend without diffusers' Ulysses;
 - sampling: the ODE sampler equals the pipeline's denoising loop run with FlowMatchEulerDiscreteScheduler
   (shift 3 / 5) on the same sigmas; decode equals the pipeline's decode and postprocessing; the latent
   shape is the VAE's;
@@ -113,6 +115,30 @@ def test_velocity_is_the_pipeline_transformer_call(roots, pipes, encoded, versio
                    encoder_hidden_states=text[0], return_dict=False)[0]
     assert (unpadded - v_c).abs().max() > 1e-3
 
+
+
+@torch.no_grad()
+def test_attention_settings_run_wans_processor_on_their_backend(roots, pipes):
+    # Wan's processor has no mask to drop: every `attention` value gives the pipeline transformer's
+    # velocity; attention_backend reaches every self- and cross-attention (a backend left unset
+    # would run torch's default kernel); sequence parallel refuses a backend without diffusers'
+    # Ulysses (each rank would attend within its own tokens, silently); a bad value is one line
+    import wan
+    root, pipe = roots['2.1'], pipes['2.1']
+    g = torch.Generator().manual_seed(1)
+    x, s = torch.randn(2, *SIZES['2.1'], generator=g), torch.tensor([0.8, 0.2])
+    text = [torch.randn(2, 512, 16, generator=g), torch.ones(2, 512)]  # full length: nothing to pad
+    ref = pipe.transformer(hidden_states=x, timestep=1000 * s, encoder_hidden_states=text[0], return_dict=False)[0]
+    for kind in ('valid_tokens', 'masked_keys', 'diffusers'):
+        net = model.load_transformer(root, attention=kind, backend='_native_math')
+        assert {b.value for blk in net.blocks for b in (blk.attn1.processor._attention_backend,
+                                                        blk.attn2.processor._attention_backend)} == {'_native_math'}
+        torch.testing.assert_close(model.velocity(net, x, s, text), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit, match="Ulysses for Wan, which attention_backend '_native_math' lacks"):
+        wan.cp_plan(net)
+    assert wan.cp_plan(model.load_transformer(root))  # 'native' (the default) has it
+    with pytest.raises(SystemExit, match='attention must be one of'):
+        model.load_transformer(root, attention='sparse')
 
 def test_lora_base_in_bf16_has_diffusers_dtypes(roots):
     # LoRA on one GPU keeps the frozen base in bf16: every tensor gets the dtype diffusers' own bf16
