@@ -857,7 +857,8 @@ def wan_runs(run):
                 r = run(f'wan{"sp" + str(n) if n > 1 else ""}_{m}_{key}_{what}_{Fr}x{H}x{W}', what, Fr, H, W,
                         model_cfg=cfg, fam=WAN, lora=lora_rank if key == 'lora1' else 0, sp=n, **kw)
                 if r is not None:
-                    out.append(dict(r, model=f'Wan 2.1 {m.upper()}', setup=name))
+                    out.append(dict(r, model=f'Wan 2.1 {m.upper()}', setup=name,
+                                    attention='WanAttnProcessor (no mask)'))  # whatever `processor` says
     return out
 
 
