@@ -6,7 +6,8 @@
 # checkpointing, 8 stored clips) plus the resident VAE and VideoAlign (results/fullsize.md, "Wan 2.1").
 # Full fine-tuning, not LoRA: at 1.4B parameters the whole training state fits beside the activations,
 # so nothing is gained by adapting a low-rank subspace, and the run is the method as the paper runs it.
-# The 14B model needs FSDP on 8 GPUs, and on 80 GB GPUs sp 2 (its rows in the same table):
+# The 14B model needs FSDP on 8 GPUs, and on 80 GB GPUs sp 2 (its rows in the same table; LoRA r64
+# on one 80 GB GPU does not fit it):
 #   torchrun --nproc_per_node=8 train.py config/wan_1gpu.py --model=weights/Wan2.1-T2V-14B \
 #       --sp_size=2 --prompts_per_iter=8
 model = 'weights/Wan2.1-T2V-1.3B'
