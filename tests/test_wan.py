@@ -128,11 +128,12 @@ def test_attention_settings_run_wans_processor_on_their_backend(roots, pipes):
     g = torch.Generator().manual_seed(1)
     x, s = torch.randn(2, *SIZES['2.1'], generator=g), torch.tensor([0.8, 0.2])
     text = [torch.randn(2, 512, 16, generator=g), torch.ones(2, 512)]  # full length: nothing to pad
-    ref = pipe.transformer(hidden_states=x, timestep=1000 * s, encoder_hidden_states=text[0], return_dict=False)[0]
+    ref = pipe.transformer(hidden_states=x, timestep=1000 * s, encoder_hidden_states=text[0],
+                           return_dict=False)[0]
     for kind in ('valid_tokens', 'masked_keys', 'diffusers'):
         net = model.load_transformer(root, attention=kind, backend='_native_math')
-        assert {b.value for blk in net.blocks for b in (blk.attn1.processor._attention_backend,
-                                                        blk.attn2.processor._attention_backend)} == {'_native_math'}
+        procs = [p for blk in net.blocks for p in (blk.attn1.processor, blk.attn2.processor)]
+        assert {p._attention_backend.value for p in procs} == {'_native_math'}
         torch.testing.assert_close(model.velocity(net, x, s, text), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="Ulysses for Wan, which attention_backend '_native_math' lacks"):
         wan.cp_plan(net)
