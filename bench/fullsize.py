@@ -82,7 +82,7 @@ from torch.utils.flop_counter import flop_registry
 
 from bench import common as C
 from bench.common import table
-from configurator import configure, list_of
+from configurator import configure, list_of, number
 from hunyuan15 import IMAGE_TOKENS, LORA_TARGETS, cp_plan, set_attention
 from model import _cat_text, shard
 from trust_region import Anchor
@@ -120,7 +120,13 @@ seed = 0
 # bare --gpu / --tiny are flags; imported (tests), the settings keep their defaults
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
                    if __name__ == '__main__' else [],
-                   rules=dict(only=list_of('train', 'rollout', 'lora', 'diffusers', 'sp')))
+                   rules=dict(only=list_of('train', 'rollout', 'lora', 'diffusers', 'sp', 'wan', 'wansp'),
+                              wan_models=((lambda v: len(v) > 0 and all(m in ('1.3b', '14b') for m in v)),
+                                          "some of '1.3b', '14b'"),
+                              wan_clip=((lambda v: len(v) == 3 and v[0] % 4 == 1 and v[1] % 16 == 0 and v[2] % 16 == 0
+                                         and min(v) >= 1), '(frames, height, width): 1 + 4k frames, sides '
+                                                           'multiples of 16 (8x VAE, 2x2 patches)'),
+                              wan_clips_1gpu=number(1), wan_sp=number(0, then=' (0 or 1: no sp row)')))
 # -----------------------------------------------------------------------------
 GiB = 2 ** 30
 

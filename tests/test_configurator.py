@@ -122,7 +122,10 @@ FULLSIZE = [('gpus', [0], 1, 'at least 1'), ('clips', [0], 1, 'at least 1'), ('g
             ('sp_clips', [((80, 480, 848),), ((81, 480, 840),)], ((1, 16, 16),), '1 + 4k frames'),
             ('lora_sizes', [((81, 352),)], ((5, 32, 32),), '1 + 4k frames'),
             ('text_tokens', [(0, 256), (1000,)], (1, 1), 'token counts >= 1'),
-            ('sp_sizes', [(0, 2), ()], (1,), 'degrees >= 1'), ('num_steps', [0], 1, 'at least 1')]
+            ('sp_sizes', [(0, 2), ()], (1,), 'degrees >= 1'), ('num_steps', [0], 1, 'at least 1'),
+            ('wan_models', [('5b',), ()], ('14b',), "'1.3b', '14b'"),
+            ('wan_clip', [(80, 480, 832), (81, 480, 840), (81, 480)], (1, 16, 16), '1 + 4k frames'),
+            ('wan_clips_1gpu', [0], 1, 'at least 1'), ('wan_sp', [-1], 0, 'at least 0')]
 OTHER = {'bench.gpu_check': [('blocks', [0], 1, 'at least 1'), ('phase_timeout', [0, -1], 1, 'greater than 0'),
                              ('width', [100], 16, 'multiple of 16')],
          'bench.rehearsal': [('blocks', [0], 1, 'at least 1'), ('num_frames', [8], 9, '1 + 4k')],
