@@ -148,9 +148,10 @@ import torch
 import torch.distributed as dist
 import parallel
 parallel.init('cpu', 0.1)
-for m in (parallel.fsdp_mesh(2, 1, 'cpu'), parallel.mesh('cpu', (2, 1, 1), ('dp', 'ring', 'ulysses'))):
-    for name in m.mesh_dim_names:
-        print(name, m[name].get_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds(), flush=True)
+seen = [(name, m[name].get_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds())
+        for m in (parallel.fsdp_mesh(2, 1, 'cpu'), parallel.mesh('cpu', (2, 1, 1), ('dp', 'ring', 'ulysses')))
+        for name in m.mesh_dim_names]
+print('groups', *[f'{n}={t}' for n, t in seen], flush=True)  # one write a rank: the ranks' lines never mix
 dist.destroy_process_group()
 """
 
@@ -166,6 +167,6 @@ def test_mesh_groups_wait_dist_timeout_not_torchs_default(tmp_path):
     p = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
                         str(tmp_path / 'mesh.py')], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    seen = [l.split() for l in p.stdout.splitlines() if l.split() and l.split()[0] in
-            ('replicate', 'shard', 'dp', 'ring', 'ulysses')]
-    assert len(seen) == 2 * 5 and all(float(t) == 6.0 for _, t in seen), p.stdout
+    seen = [kv.split('=') for l in p.stdout.splitlines() if l.startswith('groups ') for kv in l.split()[1:]]
+    assert sorted(n for n, _ in seen) == sorted(['replicate', 'shard', 'dp', 'ring', 'ulysses'] * 2), p.stdout
+    assert all(float(t) == 6.0 for _, t in seen), p.stdout
