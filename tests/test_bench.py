@@ -1,5 +1,5 @@
 """
-bench/toy.py --quick end to end (~120 s of CPU; its 5 train.py runs evaluate 4 held-out prompts x 1
+bench/toy.py --quick end to end (~100 s of CPU; its 4 train.py runs evaluate 4 held-out prompts x 1
 seed): every section runs in its reduced form and writes finite numbers, the Markdown tables and (with
 matplotlib) the plots.
 
