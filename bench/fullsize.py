@@ -60,7 +60,7 @@ Where it knowingly differs from a GPU run, and why:
   Python-side branch on the noise std is a data-dependent bool.
 - What is not measured: the CUDA caching allocator's fragmentation, NCCL buffers, the CUDA context
   (~0.5-1 GB); the VAE decoder's and VideoAlign's activations (their weights are counted).
-- What train.py keeps is counted as it will be once issue 22's fixes are in: gradients freed after
+- What train.py keeps is counted as train.py keeps it: gradients freed after
   the optimizer step (absent from rollouts), the visual metrics (CLIP-L + PickScore) in bf16 during
   evaluation only (an evaluation row), the decoded frames freed before the update (stated beside
   the table: they live in the reward phase, which is not measured).
@@ -287,7 +287,7 @@ def rollout_step(model, store, text, text_neg, n, bf16, phase, velocity=velocity
 def setup(model, dev, grads=True):
     """Steady state before a micro-step: AdamW state exists, gradients of earlier micro-steps are
     accumulated (train.py zeroes them only at the start of an optimizer step). Before a rollout
-    (grads=False) they are freed: train.py frees them right after the optimizer step (issue 22)."""
+    (grads=False) they are freed: train.py frees them right after the optimizer step."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, foreach=True)  # foreach: the CUDA default
     for p in params:
@@ -627,8 +627,8 @@ def report(out):
           f'(`attention = \'{c.get("processor", "masked_keys")}\'`; train.py\'s default, valid_tokens, attends over the '
           'valid tokens alone, at most these FLOPs: results/attention_flops.md), padded text and image tokens masked as keys only, '
           'a (B, S) key mask that SDPA takes as a broadcast bias; it runs as on a GPU (the memory-efficient kernel, '
-          'the mask as a padded bf16 bias; cuDNN allocates the same). What train.py keeps (issue 22, as train.py does '
-          'once its fixes are in): AdamW state and accumulated gradients exist during the training step; the gradients '
+          'the mask as a padded bf16 bias; cuDNN allocates the same). What train.py keeps '
+          '(as train.py does): AdamW state and accumulated gradients exist during the training step; the gradients '
           'are freed right after the optimizer step, so no rollout or evaluation holds them; one copy of the stored '
           'rollout. '
           f'Text {sum(c["text_tokens"])} + 1 tokens (upper bound). Not included: CUDA context, allocator fragmentation, '
@@ -653,7 +653,7 @@ def report(out):
     frames = lambda r: (c['clips'] // max(r['world'], 1) if r['world'] else 8) * r['frames'] * 3 * r['height'] * r['width'] * 4
     md += ['Also kept by train.py, outside these peaks: the decoded frames of the rank\'s clips (float32, '
            + ', '.join(f'{g(frames(r))} GiB at {r["height"]}x{r["width"]}' for r in runs if r['world'] and r['what'] == 'rollout')
-           + '), alive from the decode through reward scoring and freed before the update (issue 22), so in neither '
+           + '), alive from the decode through reward scoring and freed before the update, so in neither '
            'the rollout forward nor the training step; the reward phase (VAE decode, VideoAlign forward: activations '
            'not measured) holds them. The evaluation peak above is a bound: the last rollout stays stored through it.', '']
     ref = [(r, twin(out, r)) for r in runs if twin(out, r)]
@@ -991,7 +991,7 @@ def check():
         torch.cuda.reset_peak_memory_stats(dev)
     t[0] = time.time()
     train_step(model, anchor, opt, store, text, text_neg, cuda, phase)
-    opt.zero_grad(set_to_none=True)  # train.py frees the gradients after the optimizer step (issue 22)
+    opt.zero_grad(set_to_none=True)  # train.py frees the gradients after the optimizer step
     rollout_step(model, store, text, text_neg, rollout_batch, cuda, phase)
     # batch invariance: logp of each clip's step from the batched rollout forward, then recomputed
     # alone (as the update does); exp(difference) is the PPO ratio at theta == theta_old
