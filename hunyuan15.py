@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import sp
+from model import weights_missing
 from attention import (ATTENTIONS, attend, backend as dispatcher_backend, check, gather_tokens, key_mask,
                        scatter_tokens, ulysses_group, ulysses_refuses, valid_lengths)
 
@@ -50,11 +51,8 @@ IMAGE_TOKENS = 1  # t2v image tokens are all-zero and masked out, so their count
 
 
 def missing(path, what, err):
-    return SystemExit(
-        f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
-        f'Download the weights first, e.g.\n'
-        f'  hf download {HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'
-        f'and pass --model=weights/HunyuanVideo-1.5-480p_t2v (for the toy world: --model=assets/toy).')
+    return weights_missing(path, what, err, HUB_ID, 'weights/HunyuanVideo-1.5-480p_t2v',
+                           ' (for the toy world: --model=assets/toy).')
 
 
 def load_transformer(path, meta=False, attention=ATTENTIONS[0], backend='native'):

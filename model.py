@@ -31,6 +31,15 @@ warnings.filterwarnings('ignore', message='FSDP2-wrapped module .* returned a vi
 FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy'}  # model_index.json's _class_name -> file
 
 
+def weights_missing(path, what, err, hub_id, local, hint=''):
+    """The one-line stop (SystemExit) of a family whose weights cannot be read: what, where from, and
+    the download that fixes it."""
+    return SystemExit(f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
+                      f'Download the weights first, e.g.\n'
+                      f'  hf download {hub_id} --local-dir {local}\n'
+                      f'and pass --model={local}{hint}')
+
+
 def family(path):
     """The family module of model directory `path` (see the module docstring)."""
     index = os.path.join(path, 'model_index.json')

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import sp
+from model import weights_missing
 from attention import ATTENTIONS, backend as dispatcher_backend, ulysses_refuses
 
 PIPELINE = 'WanPipeline'
@@ -55,11 +56,7 @@ TEXT_TOKENS = 512  # UMT5 tokens a prompt is padded to: WanPipeline.__call__'s m
 
 
 def missing(path, what, err):
-    return SystemExit(
-        f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
-        f'Download the weights first, e.g.\n'
-        f'  hf download {HUB_ID} --local-dir weights/Wan2.1-T2V-1.3B\n'
-        f'and pass --model=weights/Wan2.1-T2V-1.3B')
+    return weights_missing(path, what, err, HUB_ID, 'weights/Wan2.1-T2V-1.3B')
 
 
 def load_transformer(path, meta=False, attention=ATTENTIONS[0], backend='native'):
