@@ -35,9 +35,11 @@ worker of one node only, so across nodes restarts need torch's own fresh store p
 
 Tested by: python -m pytest tests/test_nodes.py   (simulated nodes: several torchrun agents, gloo)
 """
+import gc
 import hashlib
 import os
 import re
+import resource
 import secrets
 import socket
 import sys
@@ -105,9 +107,10 @@ def local_world():
     return int(os.environ.get('LOCAL_WORLD_SIZE', 1))
 
 
-def check_layout(world, shard_size, sp_size):
+def check_layout(world, shard_size, sp_size, n_clips):
     """shard_size (0: one node's ranks) -> the ranks a weight is sharded over; SystemExit with one
-    line if it does not divide the world, or if an sp group would span nodes."""
+    line if it does not divide the world, if an sp group would span nodes, or if the n_clips of
+    an iteration do not divide over the data-parallel ranks (world / sp_size)."""
     node = local_world()
     shard_size = shard_size or min(node, world)
     if world % shard_size:
@@ -116,7 +119,26 @@ def check_layout(world, shard_size, sp_size):
     if node % sp_size:
         raise SystemExit(f'sp_size {sp_size} must divide the {node} ranks of a node (--nproc_per_node): '
                          'a sequence-parallel group runs an all-to-all in every block, on a node\'s links')
+    if n_clips % (world // sp_size):
+        raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world '
+                         f'size {world} / sp_size {sp_size}')
     return shard_size
+
+
+def describe(world, shard_size, sp_size):
+    """'layout: 64 ranks; weights sharded over 8 and replicated 8x (HSDP); sp 2'"""
+    hsdp = f' and replicated {world // shard_size}x (HSDP)' if shard_size < world else ''
+    return f'layout: {world} ranks; weights sharded over {shard_size}{hsdp}; sp {sp_size}'
+
+
+def close():
+    """The end of a distributed run: every rank meets first (none tears the process group down
+    early), then the group is destroyed once what holds it is freed (FSDP modules do: their
+    finalisers can abort the process at exit, 'terminate called without an active exception')."""
+    if dist.is_initialized():
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def mesh(device, shape, names):
@@ -239,3 +261,11 @@ def mean(x, device):
     t = torch.tensor([float(x)], device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+def peak_memory_gb(device):
+    """Every rank's peak memory in GiB, (world,) in rank order: the CUDA allocator's peak, or on a
+    CPU the process's peak resident set."""
+    peak = torch.cuda.max_memory_allocated() if torch.device(device).type == 'cuda' else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # bytes
+    return gather(torch.tensor([float(peak)], device=device)) / 2 ** 30

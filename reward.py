@@ -323,6 +323,16 @@ def _vision_rope_445(self, x, position_ids):
     return self.recomposition_frequencies(cos), self.recomposition_frequencies(sin)
 
 
+def load(kind, videoalign_dir, qwen_dir, device):
+    """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', the frozen VideoAlign
+    (no manifold distance: None), or 'toy', the toy world's exact reward and its distance to the
+    data manifold (toy.py)."""
+    if kind == "toy":
+        import toy
+        return toy.reward, toy.manifold_distance
+    return load_videoalign(videoalign_dir, qwen_dir, device), None
+
+
 def load_videoalign(checkpoint_dir, qwen_dir, device="cpu", dtype=torch.bfloat16):
     """The released VideoAlign as a frozen callable reward_fn(frames, prompts, fps), see VideoAlign."""
     from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLModel  # heavy import, only when used

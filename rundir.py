@@ -155,6 +155,38 @@ def log_rows(out_dir):
     return rows
 
 
+class Log:
+    """The run's log: rank 0 prints a line of each row, appends the row to out_dir/metrics.jsonl as
+    one JSON line (log_rows reads them back), and logs it to wandb where a project is given and
+    wandb is installed. A row is an iteration's (with 'reward') or a held-out evaluation's."""
+
+    def __init__(self, out_dir, master, wandb_project='', config=None):
+        self.path, self.master, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), master, None
+        if wandb_project and master:
+            try:
+                import wandb
+                wandb.init(project=wandb_project, config=config)
+                self.wandb = wandb
+            except ImportError:
+                print('wandb is not installed: logging to metrics.jsonl only')
+
+    def __call__(self, row):
+        if self.master:
+            print(self.line(row))
+            with open(self.path, 'a') as f:
+                f.write(json.dumps(row) + '\n')
+            if self.wandb:
+                self.wandb.log(row, step=row['iter'])
+
+    @staticmethod
+    def line(r):
+        if 'reward' not in r:  # a held-out evaluation: every mean
+            return f"eval iter {r['iter']}: " + ' '.join(f'{k[5:]} {v:.4f}' for k, v in r.items() if k != 'iter')
+        return (f"iter {r['iter']}: reward {r['reward']:.4f} (VQ {r['VQ']:.3f} MQ {r['MQ']:.3f} TA {r['TA']:.3f}) "
+                f"std {r['group_std']:.3f} kl {r['kl_pos']:.2e}/{r['kl_vel']:.2e} lam {r['lambda_kl']:.1e} "
+                f"gnorm {r['grad_norm']:.3f} time {r['t_rollout']:.1f}/{r['t_reward']:.1f}/{r['t_update']:.1f}s")
+
+
 def holds(out_dir):
     """What of a run out_dir holds, in words ([] for none): its checkpoints, its log, its eval videos
     (a prompt cache, a config.json or a lock alone are no run: they are rebuilt, or rewritten)."""

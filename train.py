@@ -20,18 +20,15 @@ are sharded and resume at any world size (checkpoint.py); the same command conti
 out_dir, and no start destroys one (rundir.py); SIGTERM saves and exits 0 at the next forward
 (preemption.py); the last checkpoint is exported as a diffusers transformer.
 """
-import gc
 import json
 import os
-import resource
 import time
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import checkpoint
+import diagnostics
 import parallel
 import prompt_cache
 import rundir
@@ -46,8 +43,8 @@ from model import PASS_KINDS, batch_text, count_passes, family, generators, late
     load_decoder, load_policy, noise, sample, seed_of, transformer_config, velocity
 from optimizer import build as build_optimizers, zero_grad
 from preemption import Preemption
-from reward import combine, group_advantages, sample_indices, score_and_grad
-from trust_region import Anchor, KLController, gaussian_kl
+from reward import combine, group_advantages, load as load_reward, sample_indices, score_and_grad
+from trust_region import Anchor, KLController, gaussian_kl, kl_weights
 
 # ----------------------------------------------------------------------------- settings
 # I/O
@@ -140,14 +137,11 @@ config = configure(globals())  # also checks each value against configurator.RUL
 ddp, rank, world, device = parallel.init(device, dist_timeout)
 master = rank == 0
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
-shard_size = parallel.check_layout(world, shard_size, sp_size)  # sp inside a node, shards divide the world
+# sp inside a node, the shards and the clips divide the ranks: else one line, and nothing starts
+shard_size = parallel.check_layout(world, shard_size, sp_size, prompts_per_iter * group_size)
 dp_rank, dp_world = rank // sp_size, world // sp_size  # an sp group: consecutive ranks, same clips
 dp_group = sp_mesh['dp'].get_group() if sp_mesh else None  # one rank of each sp group
-n_clips = prompts_per_iter * group_size
-if n_clips % dp_world:
-    raise SystemExit(f'prompts_per_iter * group_size = {n_clips} must be divisible by the world '
-                     f'size {world} / sp_size {sp_size}')
-n_local = n_clips // dp_world  # clips of this rank's group, global indices clip_ids (member i % G)
+n_local = prompts_per_iter * group_size // dp_world  # this rank's clips: global indices clip_ids
 clip_ids = list(range(dp_rank * n_local, (dp_rank + 1) * n_local))
 preemption = Preemption(rank, device)  # the first SIGTERM: a checkpoint at the next forward, exit 0
 
@@ -157,11 +151,9 @@ parallel.check_shared(out_dir, 'out_dir', master)  # every rank sees rank 0's ou
 quiet = print if master else lambda m: None
 # out_dir locked for this run, and how it begins: from the checkpoints of the run it holds, or at 0
 ckpts, history = rundir.claim(config, master, log=quiet)
-if master:
-    print(json.dumps(config, indent=1))
-    if ddp:  # e.g. 'layout: 64 ranks; weights sharded over 8 and replicated 8x (HSDP); sp 2'
-        hsdp = f' and replicated {world // shard_size}x (HSDP)' if shard_size < world else ''
-        print(f'layout: {world} ranks; weights sharded over {shard_size}{hsdp}; sp {sp_size}')
+quiet(json.dumps(config, indent=1))
+if ddp:  # e.g. 'layout: 64 ranks; weights sharded over 8 and replicated 8x (HSDP); sp 2'
+    quiet(parallel.describe(world, shard_size, sp_size))
 
 # ----------------------------------------------------------------------------- models
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): the family's, no weights read
@@ -182,17 +174,9 @@ optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  #
 params = [p for o in optimizers for g in o.param_groups for p in g['params']]  # FSDP2 shards
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
 controller = KLController(lam_max=kl_max, target=kl_target, direction=kl_direction)
-# the KL terms of the strategy, weighted: 'moving' and 'fixed' keep the position term only,
-# 'stepwise' the velocity term only (docs/method.md section 4.5)
-kl_pos_weight = beta_pos if kl_strategy in ('fixed', 'moving', 'dual') else 0.0
-kl_vel_weight = beta_vel if kl_strategy in ('stepwise', 'dual') else 0.0
+kl_pos_weight, kl_vel_weight = kl_weights(kl_strategy, beta_pos, beta_vel)  # 0 where a term is off
 decode = load_decoder(model, device)
-if reward_model == 'toy':
-    import toy
-    reward_fn, manifold_distance = toy.reward, toy.manifold_distance
-else:
-    from reward import load_videoalign
-    reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
+reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_dir, device)  # frozen
 try:  # frozen watchers for reward hacking, scored at held-out evaluation only, on the CPU till then
     from metrics import load_metrics, move as move_metrics
     visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, 'cpu')  # {name: score_fn}
@@ -286,52 +270,14 @@ def score(latents, prompts):
         return reward_fn(frames, prompts, fps)
     # TVRL: |d composite / d pixels| pooled onto the latent tokens (credit.py)
     sc, g = score_and_grad(reward_fn, frames, prompts, fps, reward_weights)  # g (n, F, 3, H, W)
-    seen = sample_indices(frames.shape[1], fps, reward_fn.sample_fps) if reward_model == 'videoalign' else None
+    seen = sample_indices(frames.shape[1], fps, reward_fn.sample_fps) \
+        if reward_model == 'videoalign' else None  # its 2 fps frames: credit.py interpolates the rest
     return dict(sc, credit=credit_map(g, shape, seen, credit_window, credit_granularity))  # (n, 1, F, h, w)
 
 
-def grad_norm_of(loss):
-    """The global gradient norm of the first sp group's loss alone (.grad is left empty). Every rank
-    runs the backward (FSDP's collectives), which averages over ranks: that group's counts world x."""
-    zero_grad(optimizers)
-    (loss * (world if dp_rank == 0 else 0)).backward()
-    n = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    zero_grad(optimizers)
-    return (n.full_tensor() if isinstance(n, DTensor) else n).item()
-
-
-def diagnostics(clips, steps, eq_scale, lam):
-    """Gradient norms of clip 0's policy term at the first and last trained step, without and with
-    the equalizer (the paper's Fig. 3: S_t evens them out), and of its KL term vs its policy term."""
-    diag, one = {}, [0]
-    for name, t in (('first', steps[0]), ('last', steps[-1])):
-        preemption.point()
-        _, terms = step_loss(clips, one, torch.tensor([t]), eq_scale, lam, 1.0)
-        diag[f'gnorm_{name}'] = grad_norm_of(terms['policy'].sum() / eq_scale[t])  # without S_t
-        diag[f'gnorm_{name}_eq'] = diag[f'gnorm_{name}'] * eq_scale[t].item()  # with (a constant)
-    if kl_strategy != 'none':
-        t = torch.tensor([steps[len(steps) // 2]])
-        preemption.point()
-        g_pg = grad_norm_of(step_loss(clips, one, t, eq_scale, lam, 1.0)[1]['policy'].sum())
-        _, terms = step_loss(clips, one, t, eq_scale, lam, 1.0)
-        kl = kl_pos_weight * terms['kl_pos'] + kl_vel_weight * terms['kl_vel']
-        diag['kl_grad_ratio'] = grad_norm_of(lam * kl.sum()) / max(g_pg, 1e-30)
-    return diag
-
-
-def log(row):
-    if master:
-        with open(os.path.join(out_dir, 'metrics.jsonl'), 'a') as f:
-            f.write(json.dumps(row) + '\n')
-        if wandb_log:
-            wandb.log(row, step=row['iter'])
-
-
 def held_out(iter_num):
-    """Evaluate, print and log; a stop meanwhile checkpoints and owes this evaluation on resume."""
+    """Evaluate and log; a stop meanwhile checkpoints and owes this evaluation on resume."""
     ev = evaluate(policy, iter_num, lambda: save_checkpoint(eval_owed=True))
-    if master:
-        print(f'eval iter {iter_num}: ' + ' '.join(f'{k} {v:.4f}' for k, v in ev.items()))
     log({'iter': iter_num, **{f'eval_{k}': v for k, v in ev.items()}})
     return ev
 
@@ -340,13 +286,7 @@ def held_out(iter_num):
 if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
     rundir.record(out_dir, history, config, iter_num, world)  # config.json: what changed at which start
     checkpoint.forget_after(out_dir, iter_num, eval_owed)  # a crash leaves each iteration logged once
-if wandb_log and master:
-    try:
-        import wandb
-        wandb.init(project=wandb_project, config=config)
-    except ImportError:
-        wandb_log = False
-        print('wandb is not installed: logging to metrics.jsonl only')
+log = rundir.Log(out_dir, master, wandb_project if wandb_log else '', config)  # metrics.jsonl, wandb
 first_eval = held_out(iter_num) if eval_owed else None  # the base model, or an evaluation cut short
 first_eval = first_eval if iter_num == 0 else None
 policy.train()
@@ -397,15 +337,18 @@ while iter_num < max_iters:
     clips['valid'] = valid.flatten()[clip_ids].float()
     diag = {} if credit == 'none' else \
         {'credit_peak': parallel.mean(clips['credit'].flatten(1).amax(1).mean(), device)}
-    if diag_every and iter_num % diag_every == 0:
-        diag.update(diagnostics(clips, steps, eq_scale, controller.value))
+    if diag_every and iter_num % diag_every == 0:  # gradient norms of clip 0's terms: 4 more passes
+        diag.update(diagnostics.gradient_norms(
+            lambda t: step_loss(clips, [0], torch.tensor([t]), eq_scale, controller.value, 1.0)[1],
+            steps, eq_scale, controller.value, (kl_pos_weight, kl_vel_weight), optimizers,
+            world if dp_rank == 0 else 0, preemption.point))  # the first sp group's clip, counted once
     count_passes(passes, ('diag_anchor', 'diag'), device)
 
     # ---- update: every trained step of every clip, in a random order per clip
     order = torch.stack([torch.tensor(steps)[torch.randperm(len(steps), generator=torch.Generator()
                          .manual_seed(seed_of(seed, 'order', iter_num, i)))[:n_train]]
                          for i in clip_ids])  # (n, n_train) the trained steps of each clip
-    stats = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0)
+    stats = diagnostics.UpdateStats(n_local * n_train, clip_range)  # what the log shows of it
     chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
     bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
     for chunk in chunks:  # one optimizer step each
@@ -419,18 +362,12 @@ while iter_num < max_iters:
         for b, k in preemption.points(micro):  # a stop drops these gradients: no weight moved yet
             loss, terms = step_loss(clips, b, order[b, k], eq_scale, controller.value, denom)
             loss.backward()
-            ratio_dev = (terms['ratio'] - 1).abs()  # vs clip_range; float noise at theta_old
-            stats['loss'] += loss.item()
-            stats['kl_pos'] += terms['kl_pos'].sum().item() / (n_local * n_train)
-            stats['kl_vel'] += terms['kl_vel'].sum().item() / (n_local * n_train)
-            stats['clipfrac'] += (ratio_dev > clip_range).float().sum().item() / (n_local * n_train)
-            stats['ratio_max'] = max(stats['ratio_max'], ratio_dev.max().item())
+            stats.add(loss, terms)
             kls.append((kl_pos_weight * terms['kl_pos'] + kl_vel_weight * terms['kl_vel']).mean().item())
             if kl_update == 'backward':  # released: this rank's KL of this backward (the ranks'
                 controller.update(kls[-1])  # lambdas differ; a checkpoint keeps rank 0's)
             bar.update(len(b))
-        gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        stats['grad_norm'] += float(gn.full_tensor() if isinstance(gn, DTensor) else gn) / len(chunks)
+        stats.stepped(torch.nn.utils.clip_grad_norm_(params, grad_clip), len(chunks))
         for o in optimizers:
             o.step()
         zero_grad(optimizers)  # freed now: gradients do not live through the next rollout and eval
@@ -446,26 +383,15 @@ while iter_num < max_iters:
     iter_num += 1
 
     # ---- log
-    rs = torch.cat([parallel.gather(scores[k].float().to(device), dp_group) for k in ('VQ', 'MQ', 'TA')])
-    rs = rs.view(3, -1)
-    peak = torch.cuda.max_memory_allocated() if 'cuda' in str(device) else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # bytes, this rank
-    mem = parallel.gather(torch.tensor([peak], device=device)) / 2 ** 30
-    mean = lambda k: parallel.mean(stats[k], device)  # noqa: E731  over ranks
-    row = dict(iter=iter_num, loss=mean('loss') / sp_size, reward=torch.nanmean(r).item(),
-               VQ=torch.nanmean(rs[0]).item(), MQ=torch.nanmean(rs[1]).item(), TA=torch.nanmean(rs[2]).item(),
-               group_std=std.mean().item(), zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),
-               nan_rewards=int((~valid).sum()), kl_pos=mean('kl_pos'), kl_vel=mean('kl_vel'),
-               lambda_kl=controller.value, clipfrac=mean('clipfrac'), grad_norm=stats['grad_norm'],
-               ratio_max=parallel.gather(torch.tensor([stats['ratio_max']], device=device), dp_group).max().item(),
-               **diag, **{f'passes_{k}': n for k, n in passes.items()}, t_rollout=t1 - t0, t_reward=t2 - t1,
+    means = {k: torch.nanmean(parallel.gather(scores[k].float().to(device), dp_group)).item()
+             for k in ('VQ', 'MQ', 'TA')}  # NaN: a clip left out
+    mem = parallel.peak_memory_gb(device)  # (world,)
+    row = dict(iter=iter_num, reward=torch.nanmean(r).item(), **means, group_std=std.mean().item(),
+               zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(), nan_rewards=int((~valid).sum()),
+               lambda_kl=controller.value, **stats.row(device, sp_size, dp_group), **diag,
+               **{f'passes_{k}': n for k, n in passes.items()}, t_rollout=t1 - t0, t_reward=t2 - t1,
                t_update=t3 - t2, peak_mem_gb=mem.max().item(), peak_mem_gb_ranks=mem.tolist())
-    if master:
-        print(f"iter {iter_num}: reward {row['reward']:.4f} (VQ {row['VQ']:.3f} MQ {row['MQ']:.3f} "
-              f"TA {row['TA']:.3f}) std {row['group_std']:.3f} kl {row['kl_pos']:.2e}/{row['kl_vel']:.2e} "
-              f"lam {row['lambda_kl']:.1e} gnorm {row['grad_norm']:.3f} "
-              f"time {row['t_rollout']:.1f}/{row['t_reward']:.1f}/{row['t_update']:.1f}s")
-    log(row)
+    log(row)  # a line on the console, metrics.jsonl (and wandb)
 
     # ---- eval and checkpoint, every K iterations and at the end
     last = iter_num == max_iters
@@ -489,8 +415,5 @@ if export_dtype and iter_num == max_iters:  # the aligned model, in the ecosyste
     if master:
         print(f'exported to {out_dir}/export: diffusers {fam.TRANSFORMER}.from_pretrained() loads it')
 
-if ddp:
-    dist.barrier()  # none tears gloo down early
-    del policy, anchor  # their FSDP state holds the process group: freed after destroy_process_group
-    gc.collect()        # it can abort the process at exit ('terminate called without an active exception')
-    dist.destroy_process_group()
+del policy, anchor  # their FSDP state holds the process group: freed before it is destroyed
+parallel.close()

@@ -37,6 +37,13 @@ DECAY, GROW = 0.9, 1.1  # multipliers of lambda_KL when leaving the deadband
 DIRECTION = +1  # +1: the paper's printed rule, KL high -> lambda *= DECAY (relaxes); -1 stabilises
 
 
+def kl_weights(strategy, beta_pos, beta_vel):
+    """(position weight, velocity weight) of a strategy: 'fixed' and 'moving' keep the position
+    term only, 'stepwise' the velocity term only, 'dual' both, 'none' neither."""
+    return (beta_pos if strategy in ('fixed', 'moving', 'dual') else 0.0,
+            beta_vel if strategy in ('stepwise', 'dual') else 0.0)
+
+
 def gaussian_kl(mean, mean_ref, std):
     """KL(N(mean, std^2) || N(mean_ref, std^2)) per sample, averaged over elements; (B,) float32."""
     B = mean.shape[0]

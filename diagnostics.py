@@ -1,0 +1,90 @@
+"""
+What train.py measures of its update, for the log:
+- UpdateStats: the loss, the mean KL terms, the fraction of clipped ratios, the largest |ratio - 1|
+  and the gradient norm of an iteration's update, summed over its micro-batches and then averaged
+  over the ranks;
+- gradient_norms (diag_every; off by default): the gradient norm of one clip's policy term at the
+  first and the last trained step, without and with the equalizer's S_t (the paper's Fig. 3: S_t
+  evens them out, docs/method.md section 3), and the ratio of its KL term's gradient norm to its
+  policy term's.
+
+    stats = UpdateStats(n_local * n_train, clip_range); stats.add(loss, terms); stats.row(...)
+    diag = gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary)
+
+gradient_norms costs 4 forward+backward passes of one clip per rank (and 4 anchor forwards with a
+position KL), and leaves every .grad empty: call it between optimizer steps, never inside an
+accumulation.
+
+Tested by: python -m pytest tests/test_train_ranks.py (the same figures on 2 ranks and 1 process)
+"""
+import torch
+from torch.distributed.tensor import DTensor
+
+import parallel
+from optimizer import zero_grad
+
+
+class UpdateStats:
+    def __init__(self, n_terms, clip_range):
+        """n_terms: the (clip, trained step) terms of this rank's update, over all optimizer steps."""
+        self.n, self.clip_range = n_terms, clip_range
+        self.sums = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0)
+
+    def add(self, loss, terms):
+        """One micro-batch: its loss and its per-clip terms {'kl_pos', 'kl_vel', 'ratio'} (n,)."""
+        ratio_dev = (terms['ratio'] - 1).abs()  # vs clip_range; float noise at theta_old
+        s = self.sums
+        s['loss'] += loss.item()
+        s['kl_pos'] += terms['kl_pos'].sum().item() / self.n
+        s['kl_vel'] += terms['kl_vel'].sum().item() / self.n
+        s['clipfrac'] += (ratio_dev > self.clip_range).float().sum().item() / self.n
+        s['ratio_max'] = max(s['ratio_max'], ratio_dev.max().item())
+
+    def stepped(self, grad_norm, n_steps):
+        """One optimizer step's gradient norm (clip_grad_norm_'s), of n_steps this iteration."""
+        n = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        self.sums['grad_norm'] += float(n) / n_steps
+
+    def row(self, device, sp_size=1, dp_group=None):
+        """The log's figures: means over the ranks (an sp group's ranks each hold the whole loss of
+        their clips, hence / sp_size), the largest ratio deviation of any rank; collective."""
+        mean = lambda k: parallel.mean(self.sums[k], device)  # noqa: E731
+        ratio_max = torch.tensor([self.sums['ratio_max']], device=device)
+        return dict(loss=mean('loss') / sp_size, kl_pos=mean('kl_pos'), kl_vel=mean('kl_vel'),
+                    clipfrac=mean('clipfrac'), grad_norm=self.sums['grad_norm'],
+                    ratio_max=parallel.gather(ratio_max, dp_group).max().item())
+
+
+def grad_norm(loss, optimizers, weight):
+    """The global gradient norm of loss * weight over the optimizers' parameters (FSDP shards
+    included). Every rank must call it (FSDP's collectives) and FSDP averages the gradient over
+    the ranks, so weight = world on the ranks whose loss is measured and 0 elsewhere."""
+    params = [p for o in optimizers for g in o.param_groups for p in g['params']]
+    zero_grad(optimizers)
+    (loss * weight).backward()
+    n = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    zero_grad(optimizers)
+    return (n.full_tensor() if isinstance(n, DTensor) else n).item()
+
+
+def gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary=None):
+    """{'gnorm_first', 'gnorm_first_eq', 'gnorm_last', 'gnorm_last_eq'} and, with a KL term,
+    'kl_grad_ratio'. terms_at(t): the per-clip terms {'policy', 'kl_pos', 'kl_vel'} (1,) of the
+    measured clip at step t, from a fresh forward; steps: the trained steps (sorted); eq_scale
+    (N,): S_t; kl_weights: (beta_pos, beta_vel) as the strategy weights them; boundary: called
+    before each measurement (a preemption point)."""
+    boundary = boundary or (lambda: None)
+    diag = {}
+    for name, t in (('first', steps[0]), ('last', steps[-1])):
+        boundary()
+        policy = terms_at(t)['policy'].sum() / eq_scale[t]  # S_t * term, divided back: without S_t
+        diag[f'gnorm_{name}'] = grad_norm(policy, optimizers, weight)
+        diag[f'gnorm_{name}_eq'] = diag[f'gnorm_{name}'] * eq_scale[t].item()  # S_t is a constant
+    if any(kl_weights):
+        t = steps[len(steps) // 2]
+        boundary()
+        g_policy = grad_norm(terms_at(t)['policy'].sum(), optimizers, weight)
+        terms = terms_at(t)
+        kl = kl_weights[0] * terms['kl_pos'] + kl_weights[1] * terms['kl_vel']
+        diag['kl_grad_ratio'] = grad_norm(lam * kl.sum(), optimizers, weight) / max(g_policy, 1e-30)
+    return diag
