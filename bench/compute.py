@@ -336,14 +336,14 @@ if __name__ == '__main__':
         f.write('\n'.join(md) + '\n')
     plots(runs, cmp)
     C.put_block(os.path.join(out, 'README.md'), 'bench.compute', md)
-    if out == 'results' and os.path.exists('README.md'):  # the short block: one row a setting; the rest in results/
-        short = [[k, f'{f["n_train"]}/{dict(FULL, **f["full_settings"])["num_steps"]}', f'{f["gpu_hours_iter"] / full_gpus:.3f}',
-                  f'{f["days_run"]:.1f}', cmp.get(k, {}).get('verdict', '')] for k, f in res['full'].items()]
-        C.put_block('README.md', 'bench.compute', [  # how many runs are missing: results/compute.md
-            f'**How to spend a GPU budget**: train.py logs its transformer passes by kind (`passes_*`), '
-            f'`bench/fullsize.gpu_hours` prices them at full size (FLOPs per pass measured at 352x624, an assumed '
-            f'{TFLOPS:.0f} TFLOP/s per GPU, 8 GPUs, {full_iters:,} iterations); toy verdict at equal passes vs every step trained ([results/compute.md](results/compute.md)):', '',
-            table(['setting', 'trained steps', 'h/iter', 'days', 'toy verdict'], short)])
+    if out == 'results' and os.path.exists('README.md'):  # one sentence; the table and its runs in results/
+        C.put_block('README.md', 'bench.compute', [
+            f'**How to spend a GPU budget** ([results/compute.md](results/compute.md)): train.py logs its transformer '
+            f'passes by kind (`passes_*`) and `bench/fullsize.gpu_hours` prices them at full size ({full_iters:,} '
+            f'iterations, {full_gpus} GPUs at an assumed {TFLOPS:.0f} TFLOP/s); the toy\'s verdict at equal passes '
+            'against every step trained in brackets: ' + '; '.join(
+                f'{k} {f["days_run"]:.1f} days ({cmp.get(k, {}).get("verdict", "")})' for k, f in res['full'].items())
+            + '.'])
     for k, c in cmp.items():
         print(f'{k}: {c["verdict"]}')
     print(f'wrote {out}/compute.md, compute.json, compute.png, README blocks')

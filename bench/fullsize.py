@@ -568,42 +568,35 @@ def twin(out, r):
                                                                           r['height'], r['width'])), None)
 
 
-def summary(out):
-    """The README's block: each run's measured peak per GPU (masked-key attention, train.py's), and
-    with diffusers' own attention processor where measured."""
-    runs, extras = out['runs'], sum(out['extras'].values())
-    g = lambda b: f'{b / GiB:.1f}'
-    rows = [[f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}'
-             + ('' if r.get('attention') == out['config'].get('processor', 'masked_keys') else
-                f" ({r.get('attention', 'diffusers')}' attention)"),
-             r['what'], f'{r["frames"]}x{r["height"]}x{r["width"]}', g(r['categories']['total']),
-             g(r['categories']['total'] + extras),
-             g(twin(out, r)['categories']['total'] + extras) if twin(out, r) else '', r['peak_phase']] for r in runs]
-    return table(['setup', 'run', 'frames x H x W', 'peak GiB/GPU (transformer)', '+ VAE, VideoAlign',
-                  "same, diffusers' attention", 'peak in'], rows)
+def readme_summary(out):
+    """The README's block: per model and clip size, the per-GPU peak of an iteration (the larger of the
+    training micro-step and the rollout forward, VAE and VideoAlign resident) of each setup measured,
+    HunyuanVideo with masked-key attention (train.py's valid_tokens computes at most that); every run,
+    phase and category are in results/fullsize.md."""
+    peaks = {}  # (model, clip) -> {setup: GiB}
 
-
-def sp_summary(out):
-    """The README's sequence-parallel table: per clip size, the per-GPU peak of an iteration (the
-    larger of the training micro-step and the rollout forward, VAE and VideoAlign resident) at each sp."""
-    seq, extras = out.get('sp', []), sum(out['extras'].values())
-    if not seq:
-        return ''
-    clips_, sps = sorted({(r['frames'], r['height'], r['width']) for r in seq}), sorted({r['sp'] for r in seq})
-    rows = []
-    for Fr, H, W in clips_:
-        row = [f'{Fr}x{H}x{W}']
-        for n in sps:
-            rs = [r for r in seq if (r['frames'], r['height'], r['width'], r['sp']) == (Fr, H, W, n)]
-            row.append('splits unevenly' if any('skipped' in r for r in rs) else
-                       f'{max(r["categories"]["total"] for r in rs) / GiB + extras / GiB:.1f}' if len(rs) == 2 else '')
-        rows.append(row)
-    return table(['full FT, 8 GPUs: iteration peak GiB/GPU'] + [f'sp {n}' for n in sps], rows)
+    def add(model, setup, r, extras):
+        d = peaks.setdefault((model, f'{r["frames"]}x{r["height"]}x{r["width"]}'), {})
+        d[setup] = max(d.get(setup, 0.0), (r['categories']['total'] + extras) / GiB)
+    hv, extras = 'HunyuanVideo 1.5 (8.3B)', sum(out['extras'].values())
+    full = lambda r: f'full FT, {r["world"]} GPUs' if r['world'] else f'LoRA r{r["lora"]}, 1 GPU'  # noqa: E731
+    for r in out['runs']:
+        if r.get('attention') == out['config'].get('processor', 'masked_keys'):
+            add(hv, full(r), r, extras)
+    for r in out.get('sp', []):
+        if 'skipped' not in r:
+            add(hv, full(r) + (f', sp {r["sp"]}' if r['sp'] > 1 else ''), r, extras)
+    for r in out.get('wan', []):
+        add(r['model'].replace('Wan 2.1 1.3B', 'Wan 2.1 (1.3B)').replace('Wan 2.1 14B', 'Wan 2.1 (14B)'),
+            r['setup'], r, sum(out['wan_extras'].values()))
+    gb = out['config'].get('gpu_gb', gpu_gb)
+    rows = [[m, clip, '; '.join(f'{s} **{v:.1f}**' if v <= gb else f'{s} {v:.1f} (over {gb:.0f} GB)'
+                                for s, v in d.items())] for (m, clip), d in peaks.items()]
+    return table(['model', 'frames x H x W', f'peak GiB per GPU of an iteration (**bold**: fits {gb:.0f} GB)'], rows)
 
 
 def update_readme(out, path='README.md'):
-    C.put_block(path, 'bench.fullsize', [summary(out)] + (['', sp_summary(out)] if out.get('sp') else [])
-                + (['', wan_summary(out)] if out.get('wan') else []))
+    C.put_block(path, 'bench.fullsize', [readme_summary(out)])
 
 
 def report(out):
@@ -884,22 +877,6 @@ def wan_flops(r):
     if r['what'] == 'rollout':
         return n * ph['rollout forward']['flops'] / (2 * (rollout_batch if r['world'] else 1)) / 1e12
     return n * (ph['policy forward']['flops'] + ph['backward']['flops']) / 2 / 1e12
-
-
-def wan_summary(out):
-    """The README's Wan rows: per model and setup, the per-GPU peak of an iteration's update and
-    rollout with the VAE and VideoAlign resident."""
-    extras, rows = sum(out['wan_extras'].values()), []
-    pairs = {}
-    for r in out['wan']:
-        pairs.setdefault((r['model'], r['setup']), {})[r['what']] = r
-    for (m, setup), rs in pairs.items():
-        peak = {k: (r['categories']['total'] + extras) / GiB for k, r in rs.items()}
-        top = max(peak.values())
-        rows.append([m, setup, f'{peak["train"]:.1f}' if 'train' in peak else '', f'{peak["rollout"]:.1f}' if
-                     'rollout' in peak else '', 'yes' if top <= gpu_gb else 'no'])
-    return table(['Wan 2.1, 81x480x832', 'setup', 'update peak GiB/GPU', 'rollout peak GiB/GPU',
-                  f'fits {gpu_gb:.0f} GB'], rows)
 
 
 def wan_report(out, g):
