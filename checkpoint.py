@@ -1,6 +1,6 @@
 """
 Training state that scales with the model: sharded checkpoints with torch.distributed.checkpoint
-(DCP), and the export of a checkpoint as a diffusers transformer directory.
+(DCP), read through dcp_reader.py, and the export of a checkpoint as a diffusers transformer directory.
 
     <out_dir>/ckpt_000050/            one checkpoint = one DCP directory
         __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
@@ -27,7 +27,7 @@ Where this differs from a plain dcp.save of everything, and why:
   projection, come from the base model): an 8.3B LoRA checkpoint is megabytes.
 - non-tensor state (optimizer hyperparameters, the controller) goes to loop.json, not into DCP,
   which would pickle it and unpickle it with weights_only=False; DCP's own .metadata index is read
-  with an unpickler that admits only DCP's metadata classes.
+  with an unpickler that admits only DCP's metadata classes (dcp_reader.py).
 - a weight that never got a gradient has no AdamW state in the saved run, but the load template
   has one (the state is initialised with a zero-gradient, zero-lr step, one parameter at a time);
   it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
@@ -48,11 +48,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
     get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
+from dcp_reader import Planner, Reader  # DCP's reader, without pickle's reach
 from trust_region import reshard  # FSDP2's kept-gathered root weights, sharded back
 
 # DCP works without a process group too (one process); it warns that it assumes so
@@ -256,7 +255,7 @@ def damage(path, collective=True):
     except (OSError, ValueError, KeyError) as e:
         return f'{LOOP} unreadable ({e})'
     try:  # every file DCP's index points into must be listed (and so checked) in loop.json
-        unlisted = sorted(_referenced(_Reader(path).read_metadata()) - set(files))
+        unlisted = sorted(_referenced(Reader(path).read_metadata()) - set(files))
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
         return f'.metadata unreadable ({type(e).__name__})'
     if unlisted:
@@ -305,70 +304,14 @@ def read_loop(path):
         return json.load(f)
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    # DCP's .metadata is a pickle of its own dataclasses: admit exactly those and the few torch and
-    # builtin types they hold, by (module, name), nothing else: no prefix, no dotted name (find_class
-    # would walk it: 'torch.distributed.checkpoint.filesystem' + 'os.system'), no function but two
-    # stand-ins of our own (no arbitrary code from a file on disk)
-    def find_class(self, module, name):
-        if (module, name) in _SAFE or (module == 'torch' and '.' not in name and
-                                       isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        if (module, name) == ('torch.serialization', '_get_layout'):  # how torch pickles a layout
-            return _layout
-        if (module, name) == ('builtins', 'getattr'):  # some Pythons (3.11.2) pickle an enum member
-            return _enum_member                          # as getattr(EnumClass, 'NAME')
-        raise pickle.UnpicklingError(f'{module}.{name} is not allowed in a DCP .metadata file')
-
-
-def _layout(name):
-    # torch.serialization._get_layout without its reach: a layout by its str ('torch.strided')
-    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-    if name not in layouts:
-        raise pickle.UnpicklingError(f'{name!r} is not a torch layout')
-    return layouts[name]
-
-
-def _enum_member(cls, name):
-    # getattr limited to a member of one of DCP's own enums (its memory-format encoding)
-    if cls in _ENUMS and name in cls.__members__:
-        return cls[name]
-    raise pickle.UnpicklingError(f'getattr({cls!r}, {name!r}) is not allowed in a DCP .metadata file')
-
-
-_ENUMS = (_MEM_FORMAT_ENCODING,)
-_SAFE = {('torch.distributed.checkpoint.metadata', c) for c in (
-             'Metadata', 'StorageMeta', 'MetadataIndex', 'TensorStorageMetadata', 'BytesStorageMetadata',
-             'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')} | \
-        {('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
-         ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset')} | \
-        {(m, c) for m in ('pathlib', 'pathlib._local') for c in ('PosixPath', 'WindowsPath')}  # checkpoint_id
-
-
-class _Reader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, '.metadata'), 'rb') as f:
-            md = _SafeUnpickler(f).load()
-        if getattr(md, 'storage_meta', None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-
-class _Planner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value):  # nothing non-tensor is saved (DCP would unpickle it)
-        raise ValueError(f'unexpected non-tensor entry {read_item.dest_index.fqn} in a checkpoint')
-
-
 def _load(path, state, no_dist=False):
-    reader = _Reader(path)
+    reader = Reader(path)
     saved = set(reader.read_metadata().state_dict_metadata)
     need = {f'{top}.{k}' for top in ('model', 'anchor') for k in state.get(top, {})}
     if need - saved:
         raise ValueError(f'does not match the model: {sorted(need - saved)[:3]} not in it')
     # optimizer: a weight that never got a gradient has no state in the file (see the docstring)
-    dcp.load(state, storage_reader=reader, planner=_Planner(allow_partial_load=True), no_dist=no_dist)
+    dcp.load(state, storage_reader=reader, planner=Planner(allow_partial_load=True), no_dist=no_dist)
 
 
 def load(path, model, optimizers, anchor):
@@ -419,9 +362,9 @@ def load_weights(path, model):
 def read_tensors(path, part='model'):
     """{name: tensor} of one part ('model', 'optim', 'anchor') of a checkpoint, in one process,
     without a model to load into (built from DCP's index): for tests and inspection."""
-    md = _Reader(path).read_metadata().state_dict_metadata
+    md = Reader(path).read_metadata().state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if k.startswith(part + '.')}
-    dcp.load(state, storage_reader=_Reader(path), planner=_Planner(), no_dist=True)
+    dcp.load(state, storage_reader=Reader(path), planner=Planner(), no_dist=True)
     return {k[len(part) + 1:]: v for k, v in state.items()}
 
 

@@ -1,7 +1,8 @@
 """
-Training state that survives interruption (checkpoint.py, prompt_cache.py, train.py's signal and
-resume code), tested as a user meets it: real signals on running toy runs, then resume (train.py's
-own launches; the resumes that train nothing run it in this process, test_train.train_in_process).
+Training state that survives interruption (checkpoint.py, dcp_reader.py, prompt_cache.py, train.py's
+signal and resume code), tested as a user meets it: real signals on running toy runs, then resume
+(train.py's own launches; the resumes that train nothing run it in this process,
+test_train.train_in_process).
 - SIGTERM on one process: the last finished iteration is checkpointed, exit 0; a second SIGTERM
   exits at once and the last checkpoint stays intact (bytes and mtimes); kill -9 then resume leaves
   each iteration in metrics.jsonl once and no eval videos of lost iterations; the resumed run's
@@ -31,6 +32,7 @@ import torch
 from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, train_in_process, weights
 
 import checkpoint
+import dcp_reader
 
 
 def start(args, out, torchrun=False):
@@ -256,7 +258,7 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
         os.system(f'rm -rf {marker(i)}')
     for i, p in enumerate(payloads):
         with pytest.raises(pickle.UnpicklingError):
-            checkpoint._SafeUnpickler(io.BytesIO(p)).load()
+            dcp_reader.SafeUnpickler(io.BytesIO(p)).load()
         assert not os.path.exists(marker(i)), f'payload {i} ran'
 
     class Ref:  # pickles as getattr(cls, name), the way Python 3.11.2 pickles an enum member
@@ -273,10 +275,10 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
              + path_cls + text(marker(6)) + b'\x85R' + b'\x85R.')
 
     member = E.TORCH_CONTIGUOUS_FORMAT
-    assert checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(Ref(E, member.name)))).load() is member
+    assert dcp_reader.SafeUnpickler(io.BytesIO(pickle.dumps(Ref(E, member.name)))).load() is member
     for bad in [pickle.dumps(Ref(OrderedDict, 'fromkeys')), pickle.dumps(Ref(E, 'mro')), touch]:
         with pytest.raises(pickle.UnpicklingError):
-            checkpoint._SafeUnpickler(io.BytesIO(bad)).load()
+            dcp_reader.SafeUnpickler(io.BytesIO(bad)).load()
     assert not os.path.exists(marker(6))
     pickle.loads(touch)
     assert os.path.exists(marker(6))  # plain pickle runs it
