@@ -1,6 +1,6 @@
 """
 Training state that scales with the model: sharded checkpoints with torch.distributed.checkpoint
-(DCP), read through dcp_reader.py, and the export of a checkpoint as a diffusers transformer directory.
+(DCP), read through dcp_reader.py; export.py turns one into a diffusers transformer directory.
 
     <out_dir>/ckpt_000050/            one checkpoint = one DCP directory
         __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
@@ -10,8 +10,8 @@ Training state that scales with the model: sharded checkpoints with torch.distri
     <out_dir>/latest                  the name of the newest published checkpoint
     (the keep_checkpoints newest by iteration stay, the one just published always among them)
 
-    python checkpoint.py export out-toy out-toy/export              # the newest checkpoint of a run
-    python checkpoint.py export out-toy/ckpt_000020 DEST --dtype=float32
+    save(f'{out_dir}/ckpt_000050', model, optimizers, anchor.state_dict(), loop)   # collective
+    loop = resume(candidates(out_dir), model, optimizers, anchor)   # collective: newest intact one
 
 A save is a collective: every rank writes only its own shards (DCP stages one tensor at a time) and
 reports their names, sizes and crc32; rank 0 verifies that it sees all of them, then writes
@@ -59,7 +59,6 @@ warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavai
 
 LOOP = 'loop.json'              # the small state beside the shards
 PREFIX = 'ckpt_'                # checkpoint directories are PREFIX + iteration, zero-padded
-EXPORT_SHARD = '5GB'            # max_shard_size of the exported safetensors files
 
 
 def _master():
@@ -400,46 +399,3 @@ def resolve(path):
     if os.path.isfile(os.path.join(path, LOOP)):
         return path
     return candidates(path, log=lambda m: print(m, file=sys.stderr), collective=False)[0]  # this process alone
-
-
-def export(src, dest, dtype=torch.bfloat16):
-    """Checkpoint (or out_dir's newest) -> a diffusers transformer directory at dest: the model
-    family's transformer class loads it (from_pretrained(dest)). LoRA runs: merged into the
-    base weights, and the adapter alone in dest/lora (diffusers' save_lora_adapter)."""
-    from diffusers.utils import logging
-    from model import load_policy
-    ckpt = resolve(src)
-    cfg = read_loop(ckpt)['config']
-    policy = load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
-    # written beside dest and renamed into place: a crash or a kill mid-write (16.6 GB at 8.3B)
-    # leaves the previous export whole (or none), never a half-written dest
-    dest = os.path.abspath(dest)
-    tmp, old = dest + '.tmp', dest + '.old'
-    shutil.rmtree(tmp, ignore_errors=True)  # an export that died
-    try:
-        if cfg['lora_rank'] > 0:
-            policy.save_lora_adapter(os.path.join(tmp, 'lora'))  # adapter weights + its LoraConfig
-            policy.fuse_lora()    # W += (alpha / r) B A, in float32
-            policy.unload_lora()  # back to the plain diffusers modules
-        logging.set_verbosity_error()  # its warning about float32 modules: this model has none
-        policy.to(dtype).save_pretrained(tmp, safe_serialization=True, max_shard_size=EXPORT_SHARD)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(dest):
-        os.replace(dest, old)  # two renames: between them (microseconds) dest.old is the export
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
-    return dest
-
-
-if __name__ == '__main__':
-    args = [a for a in sys.argv[1:] if not a.startswith('--')]
-    opts = dict(a[2:].split('=', 1) for a in sys.argv[1:] if a.startswith('--') and '=' in a)
-    if len(args) != 3 or args[0] != 'export':
-        raise SystemExit('usage: python checkpoint.py export OUT_DIR_OR_CKPT DEST [--dtype=bfloat16|float32]')
-    dt = getattr(torch, opts.get('dtype', 'bfloat16'), None)
-    if not isinstance(dt, torch.dtype):
-        raise SystemExit(f'--dtype must be a torch dtype such as bfloat16 or float32, got {opts["dtype"]!r}')
-    print(f'exported {resolve(args[1])} -> {export(args[1], args[2], dt)}')
