@@ -1,6 +1,6 @@
 """
 Training state that scales with the model: sharded checkpoints with torch.distributed.checkpoint
-(DCP), and the export of a checkpoint as a diffusers transformer directory.
+(DCP), read through dcp_reader.py; export.py turns one into a diffusers transformer directory.
 
     <out_dir>/ckpt_000050/            one checkpoint = one DCP directory
         __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
@@ -10,8 +10,8 @@ Training state that scales with the model: sharded checkpoints with torch.distri
     <out_dir>/latest                  the name of the newest published checkpoint
     (the keep_checkpoints newest by iteration stay, the one just published always among them)
 
-    python checkpoint.py export out-toy out-toy/export              # the newest checkpoint of a run
-    python checkpoint.py export out-toy/ckpt_000020 DEST --dtype=float32
+    save(f'{out_dir}/ckpt_000050', model, optimizers, anchor.state_dict(), loop)   # collective
+    loop = resume(candidates(out_dir), model, optimizers, anchor)   # collective: newest intact one
 
 A save is a collective: every rank writes only its own shards (DCP stages one tensor at a time) and
 reports their names, sizes and crc32; rank 0 verifies that it sees all of them, then writes
@@ -27,7 +27,7 @@ Where this differs from a plain dcp.save of everything, and why:
   projection, come from the base model): an 8.3B LoRA checkpoint is megabytes.
 - non-tensor state (optimizer hyperparameters, the controller) goes to loop.json, not into DCP,
   which would pickle it and unpickle it with weights_only=False; DCP's own .metadata index is read
-  with an unpickler that admits only DCP's metadata classes.
+  with an unpickler that admits only DCP's metadata classes (dcp_reader.py).
 - a weight that never got a gradient has no AdamW state in the saved run, but the load template
   has one (the state is initialised with a zero-gradient, zero-lr step, one parameter at a time);
   it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
@@ -48,11 +48,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
     get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
+from dcp_reader import Planner, Reader  # DCP's reader, without pickle's reach
 from trust_region import reshard  # FSDP2's kept-gathered root weights, sharded back
 
 # DCP works without a process group too (one process); it warns that it assumes so
@@ -60,7 +59,6 @@ warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavai
 
 LOOP = 'loop.json'              # the small state beside the shards
 PREFIX = 'ckpt_'                # checkpoint directories are PREFIX + iteration, zero-padded
-EXPORT_SHARD = '5GB'            # max_shard_size of the exported safetensors files
 
 
 def _master():
@@ -256,7 +254,7 @@ def damage(path, collective=True):
     except (OSError, ValueError, KeyError) as e:
         return f'{LOOP} unreadable ({e})'
     try:  # every file DCP's index points into must be listed (and so checked) in loop.json
-        unlisted = sorted(_referenced(_Reader(path).read_metadata()) - set(files))
+        unlisted = sorted(_referenced(Reader(path).read_metadata()) - set(files))
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
         return f'.metadata unreadable ({type(e).__name__})'
     if unlisted:
@@ -305,70 +303,14 @@ def read_loop(path):
         return json.load(f)
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    # DCP's .metadata is a pickle of its own dataclasses: admit exactly those and the few torch and
-    # builtin types they hold, by (module, name), nothing else: no prefix, no dotted name (find_class
-    # would walk it: 'torch.distributed.checkpoint.filesystem' + 'os.system'), no function but two
-    # stand-ins of our own (no arbitrary code from a file on disk)
-    def find_class(self, module, name):
-        if (module, name) in _SAFE or (module == 'torch' and '.' not in name and
-                                       isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        if (module, name) == ('torch.serialization', '_get_layout'):  # how torch pickles a layout
-            return _layout
-        if (module, name) == ('builtins', 'getattr'):  # some Pythons (3.11.2) pickle an enum member
-            return _enum_member                          # as getattr(EnumClass, 'NAME')
-        raise pickle.UnpicklingError(f'{module}.{name} is not allowed in a DCP .metadata file')
-
-
-def _layout(name):
-    # torch.serialization._get_layout without its reach: a layout by its str ('torch.strided')
-    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-    if name not in layouts:
-        raise pickle.UnpicklingError(f'{name!r} is not a torch layout')
-    return layouts[name]
-
-
-def _enum_member(cls, name):
-    # getattr limited to a member of one of DCP's own enums (its memory-format encoding)
-    if cls in _ENUMS and name in cls.__members__:
-        return cls[name]
-    raise pickle.UnpicklingError(f'getattr({cls!r}, {name!r}) is not allowed in a DCP .metadata file')
-
-
-_ENUMS = (_MEM_FORMAT_ENCODING,)
-_SAFE = {('torch.distributed.checkpoint.metadata', c) for c in (
-             'Metadata', 'StorageMeta', 'MetadataIndex', 'TensorStorageMetadata', 'BytesStorageMetadata',
-             'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')} | \
-        {('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
-         ('collections', 'OrderedDict'), ('builtins', 'set'), ('builtins', 'frozenset')} | \
-        {(m, c) for m in ('pathlib', 'pathlib._local') for c in ('PosixPath', 'WindowsPath')}  # checkpoint_id
-
-
-class _Reader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, '.metadata'), 'rb') as f:
-            md = _SafeUnpickler(f).load()
-        if getattr(md, 'storage_meta', None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-
-class _Planner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value):  # nothing non-tensor is saved (DCP would unpickle it)
-        raise ValueError(f'unexpected non-tensor entry {read_item.dest_index.fqn} in a checkpoint')
-
-
 def _load(path, state, no_dist=False):
-    reader = _Reader(path)
+    reader = Reader(path)
     saved = set(reader.read_metadata().state_dict_metadata)
     need = {f'{top}.{k}' for top in ('model', 'anchor') for k in state.get(top, {})}
     if need - saved:
         raise ValueError(f'does not match the model: {sorted(need - saved)[:3]} not in it')
     # optimizer: a weight that never got a gradient has no state in the file (see the docstring)
-    dcp.load(state, storage_reader=reader, planner=_Planner(allow_partial_load=True), no_dist=no_dist)
+    dcp.load(state, storage_reader=reader, planner=Planner(allow_partial_load=True), no_dist=no_dist)
 
 
 def load(path, model, optimizers, anchor):
@@ -419,9 +361,9 @@ def load_weights(path, model):
 def read_tensors(path, part='model'):
     """{name: tensor} of one part ('model', 'optim', 'anchor') of a checkpoint, in one process,
     without a model to load into (built from DCP's index): for tests and inspection."""
-    md = _Reader(path).read_metadata().state_dict_metadata
+    md = Reader(path).read_metadata().state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if k.startswith(part + '.')}
-    dcp.load(state, storage_reader=_Reader(path), planner=_Planner(), no_dist=True)
+    dcp.load(state, storage_reader=Reader(path), planner=Planner(), no_dist=True)
     return {k[len(part) + 1:]: v for k, v in state.items()}
 
 
@@ -457,46 +399,3 @@ def resolve(path):
     if os.path.isfile(os.path.join(path, LOOP)):
         return path
     return candidates(path, log=lambda m: print(m, file=sys.stderr), collective=False)[0]  # this process alone
-
-
-def export(src, dest, dtype=torch.bfloat16):
-    """Checkpoint (or out_dir's newest) -> a diffusers transformer directory at dest: the model
-    family's transformer class loads it (from_pretrained(dest)). LoRA runs: merged into the
-    base weights, and the adapter alone in dest/lora (diffusers' save_lora_adapter)."""
-    from diffusers.utils import logging
-    from model import load_policy
-    ckpt = resolve(src)
-    cfg = read_loop(ckpt)['config']
-    policy = load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
-    # written beside dest and renamed into place: a crash or a kill mid-write (16.6 GB at 8.3B)
-    # leaves the previous export whole (or none), never a half-written dest
-    dest = os.path.abspath(dest)
-    tmp, old = dest + '.tmp', dest + '.old'
-    shutil.rmtree(tmp, ignore_errors=True)  # an export that died
-    try:
-        if cfg['lora_rank'] > 0:
-            policy.save_lora_adapter(os.path.join(tmp, 'lora'))  # adapter weights + its LoraConfig
-            policy.fuse_lora()    # W += (alpha / r) B A, in float32
-            policy.unload_lora()  # back to the plain diffusers modules
-        logging.set_verbosity_error()  # its warning about float32 modules: this model has none
-        policy.to(dtype).save_pretrained(tmp, safe_serialization=True, max_shard_size=EXPORT_SHARD)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(dest):
-        os.replace(dest, old)  # two renames: between them (microseconds) dest.old is the export
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
-    return dest
-
-
-if __name__ == '__main__':
-    args = [a for a in sys.argv[1:] if not a.startswith('--')]
-    opts = dict(a[2:].split('=', 1) for a in sys.argv[1:] if a.startswith('--') and '=' in a)
-    if len(args) != 3 or args[0] != 'export':
-        raise SystemExit('usage: python checkpoint.py export OUT_DIR_OR_CKPT DEST [--dtype=bfloat16|float32]')
-    dt = getattr(torch, opts.get('dtype', 'bfloat16'), None)
-    if not isinstance(dt, torch.dtype):
-        raise SystemExit(f'--dtype must be a torch dtype such as bfloat16 or float32, got {opts["dtype"]!r}')
-    print(f'exported {resolve(args[1])} -> {export(args[1], args[2], dt)}')

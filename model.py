@@ -1,7 +1,7 @@
 """
 The policy, whatever the video model: the model family of a directory, FSDP2 sharding of its blocks,
 cached prompt embeddings, the classifier-free-guided velocity, the sampling loop, noise and mp4 files.
-train.py, sample.py, checkpoint.py and the benches call these; none of them names a model class.
+train.py, sample.py, export.py and the benches call these; none of them names a model class.
 
 A model directory is in diffusers layout (`transformer/`, `vae/`, `text_encoder*/`, `tokenizer*/`,
 `model_index.json`). Its family, one file each with the interface stated at the top of

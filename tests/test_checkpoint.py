@@ -1,7 +1,8 @@
 """
-Training state that survives interruption (checkpoint.py, prompt_cache.py, train.py's signal and
-resume code), tested as a user meets it: real signals on running toy runs, then resume (train.py's
-own launches; the resumes that train nothing run it in this process, test_train.train_in_process).
+Training state that survives interruption (checkpoint.py, dcp_reader.py, export.py, prompt_cache.py,
+train.py's signal and resume code), tested as a user meets it: real signals on running toy runs, then
+resume (train.py's own launches; the resumes that train nothing run it in this process,
+test_train.train_in_process).
 - SIGTERM on one process: the last finished iteration is checkpointed, exit 0; a second SIGTERM
   exits at once and the last checkpoint stays intact (bytes and mtimes); kill -9 then resume leaves
   each iteration in metrics.jsonl once and no eval videos of lost iterations; the resumed run's
@@ -31,6 +32,8 @@ import torch
 from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, train_in_process, weights
 
 import checkpoint
+import dcp_reader
+import export
 
 
 def start(args, out, torchrun=False):
@@ -256,7 +259,7 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
         os.system(f'rm -rf {marker(i)}')
     for i, p in enumerate(payloads):
         with pytest.raises(pickle.UnpicklingError):
-            checkpoint._SafeUnpickler(io.BytesIO(p)).load()
+            dcp_reader.SafeUnpickler(io.BytesIO(p)).load()
         assert not os.path.exists(marker(i)), f'payload {i} ran'
 
     class Ref:  # pickles as getattr(cls, name), the way Python 3.11.2 pickles an enum member
@@ -273,10 +276,10 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
              + path_cls + text(marker(6)) + b'\x85R' + b'\x85R.')
 
     member = E.TORCH_CONTIGUOUS_FORMAT
-    assert checkpoint._SafeUnpickler(io.BytesIO(pickle.dumps(Ref(E, member.name)))).load() is member
+    assert dcp_reader.SafeUnpickler(io.BytesIO(pickle.dumps(Ref(E, member.name)))).load() is member
     for bad in [pickle.dumps(Ref(OrderedDict, 'fromkeys')), pickle.dumps(Ref(E, 'mro')), touch]:
         with pytest.raises(pickle.UnpicklingError):
-            checkpoint._SafeUnpickler(io.BytesIO(bad)).load()
+            dcp_reader.SafeUnpickler(io.BytesIO(bad)).load()
     assert not os.path.exists(marker(6))
     pickle.loads(touch)
     assert os.path.exists(marker(6))  # plain pickle runs it
@@ -337,12 +340,12 @@ def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
             json.dump(loop, f)
         assert checkpoint.damage(ckpt) == '.metadata unreadable (UnpicklingError)', name  # bytes as listed
         for find in (lambda: checkpoint.candidates(out, collective=False),
-                     lambda: checkpoint.export(out, str(tmp_path / 'export'), torch.float32)):
+                     lambda: export.export(out, str(tmp_path / 'export'), torch.float32)):
             with pytest.raises(SystemExit, match='has no intact checkpoint'):
                 find()
         refused = f'{name} is not allowed in a DCP .metadata file'
         for read in (lambda: checkpoint.load(ckpt, policy, opts, Anchor(policy)),
-                     lambda: checkpoint.export(ckpt, str(tmp_path / 'export'), torch.float32),
+                     lambda: export.export(ckpt, str(tmp_path / 'export'), torch.float32),
                      lambda: checkpoint.load_weights(ckpt, load_policy(base, 'cpu')),
                      lambda: checkpoint.read_tensors(ckpt, 'optim')):
             with pytest.raises(pickle.UnpicklingError, match=refused):
@@ -353,7 +356,7 @@ def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
 
 
 def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
-    """checkpoint.export writes beside the destination and renames: an export that fails mid-write
+    """export.export writes beside the destination and renames: an export that fails mid-write
     (disk full: a half-written weights file, then an error) leaves the previous export whole, or
     none; a temporary directory left by a killed export is cleared by the next one; what is
     exported loads with diffusers' from_pretrained and holds the checkpoint's weights."""
@@ -373,7 +376,7 @@ def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
     checkpoint.save(os.path.join(out, 'ckpt_000001'), policy, opt, {}, loop)
     os.makedirs(dest + '.tmp')  # left by an export that was killed
     open(os.path.join(dest + '.tmp', 'junk'), 'w').close()
-    checkpoint.export(out, dest, torch.float32)
+    export.export(out, dest, torch.float32)
     assert exported_equals(policy) and not os.path.exists(dest + '.tmp') and 'junk' not in os.listdir(dest)
     before = {f: open(os.path.join(dest, f), 'rb').read() for f in os.listdir(dest)}
 
@@ -389,12 +392,12 @@ def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(T, 'save_pretrained', disk_full)
         with pytest.raises(OSError, match='No space'):
-            checkpoint.export(out, dest, torch.float32)
+            export.export(out, dest, torch.float32)
         with pytest.raises(OSError, match='No space'):  # a first export that fails: none at all
-            checkpoint.export(out, str(tmp_path / 'none'), torch.float32)
+            export.export(out, str(tmp_path / 'none'), torch.float32)
     assert before == {f: open(os.path.join(dest, f), 'rb').read() for f in os.listdir(dest)}  # the old one, whole
     assert not os.path.exists(tmp_path / 'none') and sorted(os.listdir(tmp_path)) == ['out']
-    checkpoint.export(out, dest, torch.float32)  # and the next export replaces it
+    export.export(out, dest, torch.float32)  # and the next export replaces it
     assert exported_equals(policy) and sorted(os.listdir(out)) == ['ckpt_000001', 'ckpt_000002', 'export', 'latest']
 
 
