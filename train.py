@@ -18,7 +18,7 @@ anchor and lambda_KL move once per optimizer step. Settings are the constants be
 released defaults); config files and --key=value override them (configurator.py). Checkpoints
 are sharded and resume at any world size (checkpoint.py); the same command continues the run in
 out_dir, and no start destroys one (rundir.py); SIGTERM saves and exits 0 at the next forward
-(preemption.py); the last checkpoint is exported as a diffusers transformer.
+(preemption.py); the last checkpoint is exported as a diffusers transformer (export.py).
 """
 import json
 import os
@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import checkpoint
 import diagnostics
+import export
 import parallel
 import prompt_cache
 import rundir
@@ -410,7 +411,7 @@ while iter_num < max_iters:
 if export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format, by rank 0
     # alone: the others wait on the c10d store (solo_timeout), not in a collective (dist_timeout)
     dest = os.path.join(out_dir, 'export')
-    parallel.solo(lambda: checkpoint.export(out_dir, dest, getattr(torch, export_dtype)), 'export',
+    parallel.solo(lambda: export.export(out_dir, dest, getattr(torch, export_dtype)), 'export',
                   solo_timeout)
     if master:
         print(f'exported to {out_dir}/export: diffusers {fam.TRANSFORMER}.from_pretrained() loads it')
