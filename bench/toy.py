@@ -481,8 +481,8 @@ def section3():
                    f'seeds 0..{seeds - 1}; final = ODE eval of the {EVAL_PROMPTS} held-out prompts after the last '
                    'iteration (mean ± std over seeds). before = the same eval of the base model. '
                    'explore = mean within-group reward std over the run. kl_grad = '
-                   '||grad of the KL term|| / ||grad of the policy loss|| at the middle trained step (diagnostics.py's '
-                   'gradient_norms, mean over iterations).', '']
+                   '||grad of the KL term|| / ||grad of the policy loss|| at the middle trained step '
+                   '(diagnostics.gradient_norms, mean over iterations).', '']
     for part, cells in parts.items():
         rows, curves = [], {}
         for label, ov in cells:
