@@ -1,5 +1,7 @@
 """
-train.py end to end, as a user runs it (subprocesses; sample.py: test_sample.py):
+train.py end to end, as a user runs it (processes; where a test reads only the run's files, the
+one-process runs after the first run in this process, run_here, without a process's imports;
+sample.py: test_sample.py):
 - two toy iterations in one process and under torchrun --nproc_per_node=2 (FSDP2, gloo): finite
   losses, rewards logged, a checkpoint written; the same under torchrun --max-restarts=3 with rank 1
   SIGKILLed mid-run: the restarted group continues from the last checkpoint to the same weights,
@@ -98,15 +100,16 @@ def same_as_golden(out):
             assert r[k] == v or math.isclose(r[k], v, rel_tol=1e-5, abs_tol=tol), (r['iter'], k, r[k], v)
 
 
-def test_toy_one_process_and_exact_resume(tmp_path):
-    # Muon (its momentum buffers come back too); AdamW's resume, bitwise: test_checkpoint.py
+def test_toy_one_process_and_exact_resume(tmp_path, monkeypatch):
+    # Muon (its momentum buffers come back too); AdamW's resume, bitwise: test_checkpoint.py. The
+    # first run is a process, as a user runs it; the others run here (run_here)
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
     small = SMALL + ['--optimizer=muon']
     run(small + [f'--out_dir={a}', '--max_iters=4'])
     check_run(a, 4)
     same_as_golden(a)  # the same figures as before the loop was restructured
-    run(small + [f'--out_dir={b}', '--max_iters=2'])
-    run(small + [f'--out_dir={b}', '--max_iters=4', '--init_from=resume'])
+    run_here(monkeypatch, small + [f'--out_dir={b}', '--max_iters=2'])
+    run_here(monkeypatch, small + [f'--out_dir={b}', '--max_iters=4', '--init_from=resume'])
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:  # bitwise: rollouts, update order and optimizer state all continue identically
@@ -175,13 +178,13 @@ def restarted(args, out, tmp):
     return log
 
 
-def test_ratio_max_logged_against_the_clip(tmp_path):
+def test_ratio_max_logged_against_the_clip(tmp_path, monkeypatch):
     # two optimizer steps per rollout batch at a large lr: the second one sees ratios far from 1, and the
     # logged max |ratio - 1| is above the clip exactly when some ratios were clipped. The run also takes
     # cps through the loop: every stochastic step trained, 3 of its 4 (the last is deterministic)
     out = str(tmp_path / 'r')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--updates_per_iter=2', '--learning_rate=1e-2', '--sampler=cps',
-                 '--timestep_fraction=1.0'])
+    run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=1', '--updates_per_iter=2', '--learning_rate=1e-2',
+                                   '--sampler=cps', '--timestep_fraction=1.0'])
     (row,) = [r for r in metrics(out) if 'reward' in r]
     assert row['ratio_max'] > 1e-4 and row['clipfrac'] > 0, row
     check_sampler(out, 'cps', 3)
@@ -200,6 +203,46 @@ class NoPreemption:  # preemption.Preemption without its signal handlers (they w
 
     def point(self):
         pass
+
+    def points(self, items):
+        return iter(items)
+
+    def stepped(self):
+        pass
+
+    def requested(self, device):
+        return False
+
+
+def run_here(monkeypatch, args, check=True):
+    """`run(args)` of one process, run in this process instead (runpy): the same train.py from its first
+    line to its last, without the ~6 s of imports a new process pays. Two things differ from a process,
+    neither of them read by the tests that use it: SIGTERM is not handled (NoPreemption; the signal
+    tests run processes), and the global RNG starts from torch's default seed, as in a new process
+    (LoRA's initialisation draws from it). Returns what train.py printed; a SystemExit with a message
+    fails the test, or with check=False is returned: (message, printed)."""
+    import contextlib
+    import io
+    import runpy
+    import preemption
+    import rundir
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, 'argv', args)
+    monkeypatch.setattr(preemption, 'Preemption', NoPreemption)
+    printed = io.StringIO()
+    try:
+        with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(printed):
+            torch.manual_seed(67280421310721)  # torch's default seed: a new process's global RNG
+            runpy.run_path(os.path.join(ROOT, args[0]), run_name='__main__')
+    except SystemExit as e:
+        if check or not isinstance(e.code, str):
+            raise AssertionError(f'{args} exited: {e.code}\n{printed.getvalue()[-3000:]}')
+        return e.code, printed.getvalue()
+    finally:  # the process lives on: out_dir's lock is let go as a process exit would
+        if rundir._held is not None:
+            os.close(rundir._held)
+            rundir._held = None
+    return printed.getvalue() if check else (None, printed.getvalue())
 
 
 def train_in_process(monkeypatch, args):
@@ -234,7 +277,7 @@ def train_in_process(monkeypatch, args):
 def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path, monkeypatch):
     # in this process (train_in_process); the same lines as a user meets them: test_configurator.py
     out = str(tmp_path / 'bad')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=2'])
+    run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=2'])
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in os.listdir(out) if f != '.lock'}  # rundir.py's
     empty = tmp_path / 'empty.txt'
     empty.write_text('\n')
@@ -293,10 +336,10 @@ def test_hunyuan_path_tiny_parts_fsdp(tmp_path):
     assert x.shape == (1,) + v.shape[1:] and torch.isfinite(x).all()
 
 
-def test_lora_trains_only_adapters_and_exports(tmp_path):
+def test_lora_trains_only_adapters_and_exports(tmp_path, monkeypatch):
     out = str(tmp_path / 'lora')
-    run(SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4', '--export_dtype=float32', '--sampler=flow',
-                 '--timestep_fraction=1.0'])
+    run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=1', '--lora_rank=4', '--export_dtype=float32',
+                                   '--sampler=flow', '--timestep_fraction=1.0'])
     check_sampler(out, 'flow', 4)  # flow through the loop too: all 4 steps stochastic
     w = weights(out)  # the checkpoint holds the adapters and nothing else
     assert w and all('lora' in k for k in w), list(w)[:5]
@@ -333,55 +376,38 @@ def export_matches_policy(exported, out, base, prompts=('a red circle moving lef
     return v
 
 
-# train.py with the toy reward wrapped: the second video of every reward call is unscored (NaN), or
-# every video is when ALL_NAN is set -- the way VideoAlign reports a video it failed on
-NAN_RUNNER = '''
-import os, runpy, sys, torch, toy
-score = toy.reward
-def unscored(frames, prompts, fps=toy.FPS):
-    sc = score(frames, prompts, fps)
-    for v in sc.values():
-        v[slice(None) if os.environ.get('ALL_NAN') else slice(1, 2)] = float('nan')
-    return sc
-toy.reward = unscored
-sys.argv = sys.argv[1:]
-runpy.run_path('train.py', run_name='__main__')
-'''
+def unscored(which):
+    """toy.reward with the scores of clips `which` (a slice) NaN, the way VideoAlign reports a video it
+    failed on."""
+    import toy
+    score = toy.reward
+
+    def reward(frames, prompts, fps=toy.FPS):
+        sc = score(frames, prompts, fps)
+        for v in sc.values():
+            v[which] = float('nan')
+        return sc
+    return reward
 
 
-def test_nan_rewards_are_dropped_reported_and_never_corrupt(tmp_path):
+def test_nan_rewards_are_dropped_reported_and_never_corrupt(tmp_path, monkeypatch):
+    import toy
     out = str(tmp_path / 'nan')
-    p = run(['-c', NAN_RUNNER] + SMALL + [f'--out_dir={out}', '--max_iters=2', '--group_size=3'])
-    assert 'rewards are NaN' in p.stdout
+    monkeypatch.setattr(toy, 'reward', unscored(slice(1, 2)))
+    assert 'rewards are NaN' in run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=2', '--group_size=3'])
     rows = check_run(out, 2)  # finite losses, rewards, eval composite and weights
     assert all(r['nan_rewards'] == 1 for r in rows)  # clip 1 of 6: its group of 3 goes on with 2
     # a reward model that fails on everything stops the run before the update; what was written stays
     files = {f: open(os.path.join(out, f), 'rb').read() for f in ('latest', 'metrics.jsonl')}
     w = weights(out)
-    p = run(['-c', NAN_RUNNER] + SMALL + [f'--out_dir={out}', '--max_iters=4', '--group_size=3', '--init_from=resume'], check=False,
-            env={'ALL_NAN': '1'})
-    assert p.returncode != 0 and 'every reward is NaN' in p.stdout + p.stderr, p.stderr[-2000:]
+    monkeypatch.setattr(toy, 'reward', unscored(slice(None)))
+    with pytest.raises(RuntimeError, match='every reward is NaN'):  # a traceback in a process: exit 1
+        run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=4', '--group_size=3', '--init_from=resume'])
     assert files == {f: open(os.path.join(out, f), 'rb').read() for f in files}
     assert all(torch.equal(w[k], v) for k, v in weights(out).items())
 
 
-# train.py with model.sample wrapped: every rollout batch's initial noise and prompt embeddings are
-# saved to $RECORD (a list of (embeds (B, L, D), x_1 (B, ...)) per rollout call)
-RECORD_RUNNER = '''
-import os, runpy, sys, torch, model
-calls, inner = [], model.sample
-def recording(policy, x, sigmas, text, *args, keep=False, **kw):
-    if keep:  # rollouts, not the ODE evaluation
-        calls.append((text[0].clone(), x.clone()))
-        torch.save(calls, os.environ['RECORD'])
-    return inner(policy, x, sigmas, text, *args, keep=keep, **kw)
-model.sample = recording
-sys.argv = sys.argv[1:]
-runpy.run_path('train.py', run_name='__main__')
-'''
-
-
-def test_prompt_noise_and_kl_update_settings(tmp_path):
+def test_prompt_noise_and_kl_update_settings(tmp_path, monkeypatch):
     # two prompts and prompts_per_iter=2: both are drawn every iteration, 2 members each; one prompt
     # has a seed column entry (the released CSV format), the other none
     csv = tmp_path / 'train.csv'
@@ -390,12 +416,18 @@ def test_prompt_noise_and_kl_update_settings(tmp_path):
     from trust_region import LAM_INIT, LAM_MAX, WARMUP
     shape = toy.LATENT_SHAPE
     out = {}
+    import model
+    inner = model.sample
+
+    def recording(policy, x, sigmas, text, *args, keep=False, **kw):  # each rollout's embeddings and x_1
+        if keep:  # rollouts, not the ODE evaluation
+            calls.append((text[0].clone(), x.clone()))
+        return inner(policy, x, sigmas, text, *args, keep=keep, **kw)
+    monkeypatch.setattr(model, 'sample', recording)
     for noise, cadence in (('fixed', 'backward'), ('fresh', 'step')):
-        rec = str(tmp_path / f'{noise}.pt')
-        d = str(tmp_path / noise)
-        run(['-c', RECORD_RUNNER] + SMALL + [f'--out_dir={d}', '--max_iters=2', f'--train_prompts={csv}',
-                                             f'--prompt_noise={noise}', f'--kl_update={cadence}'], env={'RECORD': rec})
-        calls = torch.load(rec)
+        calls, d = [], str(tmp_path / noise)
+        run_here(monkeypatch, SMALL + [f'--out_dir={d}', '--max_iters=2', f'--train_prompts={csv}',
+                                       f'--prompt_noise={noise}', f'--kl_update={cadence}'])
         assert len(calls) == 2  # one rollout call (all 4 clips) per iteration
         by_prompt = []
         for text, x in calls:  # -> {prompt embedding: [member 0 noise, member 1 noise]} per iteration
