@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 
-from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, train_in_process, weights
+from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, run_here, train_in_process, weights
 
 import checkpoint
 import dcp_reader
@@ -80,7 +80,7 @@ ARGS = SMALL + ['--max_iters=4', '--eval_every=1']  # an eval (and a video) ever
 
 def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, capsys):
     ref, out = str(tmp_path / 'ref'), str(tmp_path / 'run')
-    run(ARGS + [f'--out_dir={ref}'])
+    run_here(monkeypatch, ARGS + [f'--out_dir={ref}'])  # the uninterrupted run, in this process
     # 1. SIGTERM once iteration 1 is logged: the last finished iteration's checkpoint, exit 0
     p = start(ARGS + [f'--out_dir={out}', '--save_every=0'], out)
     wait_for(lambda: 1 in logged(out), p)
@@ -113,7 +113,7 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, c
     assert checkpoint.damage(os.path.join(out, newest(out))) is None
     assert before == files_of(os.path.join(out, newest(out)))  # not rewritten: bytes and mtimes
     # 5. resume to the end: bitwise the uninterrupted run, each iteration logged once
-    run(ARGS + [f'--out_dir={out}', '--init_from=resume'])
+    run_here(monkeypatch, ARGS + [f'--out_dir={out}', '--init_from=resume'])
     check_run(out, 4)
     wa, wb = weights(ref), weights(out)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[key], wb[key]) for key in wa)
@@ -145,7 +145,7 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, c
     assert said.startswith(f'{out!r} has no intact checkpoint to resume from'), said
 
 
-def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path):
+def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path, monkeypatch):
     out = str(tmp_path / 'fsdp')
     p = start(ARGS + [f'--out_dir={out}', '--save_every=0', '--eval_every=0'], out, torchrun=True)
     wait_for(lambda: 1 in logged(out), p)
@@ -158,7 +158,8 @@ def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path):
     assert files == ['.metadata', '__0_0.distcp', '__1_0.distcp', 'loop.json']  # one shard file per rank
     assert checkpoint.read_loop(os.path.join(out, newest(out)))['world'] == 2
     # 2 ranks -> 1 process -> 2 ranks
-    run(ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={k + 1}', '--eval_every=0', '--save_every=1'])
+    run_here(monkeypatch, ARGS + [f'--out_dir={out}', '--init_from=resume', f'--max_iters={k + 1}', '--eval_every=0',
+                                  '--save_every=1'])
     assert checkpoint.read_loop(os.path.join(out, newest(out)))['world'] == 1
     run(ARGS + [f'--out_dir={out}', '--init_from=resume', '--eval_every=0'], torchrun=True)
     check_run(out, 4)

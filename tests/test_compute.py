@@ -21,7 +21,7 @@ import torch
 
 import equalizer
 import sde
-from test_train import ROOT, SMALL, metrics, run, weights
+from test_train import ROOT, SMALL, metrics, run, run_here, weights
 
 ETA, SHIFT, N = 0.5, 3.0, 4  # the toy's sage, and SMALL's 4 steps
 
@@ -154,10 +154,10 @@ def load_bench():
     return load('compute')
 
 
-def test_full_window_is_bitwise_no_window(tmp_path):
+def test_full_window_is_bitwise_no_window(tmp_path, monkeypatch):
     a, b = str(tmp_path / 'a'), str(tmp_path / 'b')
-    run(SMALL + [f'--out_dir={a}', '--max_iters=2'])
-    run(SMALL + [f'--out_dir={b}', '--max_iters=2', f'--sde_window={N}'])
+    run_here(monkeypatch, SMALL + [f'--out_dir={a}', '--max_iters=2'])
+    run_here(monkeypatch, SMALL + [f'--out_dir={b}', '--max_iters=2', f'--sde_window={N}'])
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))}  # wall time, memory
@@ -197,7 +197,7 @@ def check_window(rec, w, world=1):
     return windows
 
 
-def test_window_trains_only_its_steps_with_their_own_scales_and_counts_survive_resume(tmp_path):
+def test_window_trains_only_its_steps_with_their_own_scales_and_counts_survive_resume(tmp_path, monkeypatch):
     out, rec, runner = str(tmp_path / 'win'), str(tmp_path / 'rec'), tmp_path / 'recorder.py'
     runner.write_text(RECORDER)
     window = ['--sde_window=2', '--timestep_fraction=1.0', '--cfg=2.0']
@@ -209,7 +209,7 @@ def test_window_trains_only_its_steps_with_their_own_scales_and_counts_survive_r
     # the same 3 iterations uninterrupted: bitwise the resumed run (weights, optimizer state, every logged
     # figure of the training rows but the evaluation count: the first run also evaluated at its end)
     ref = str(tmp_path / 'ref')
-    run(SMALL + window + [f'--out_dir={ref}', '--max_iters=3'])
+    run_here(monkeypatch, SMALL + window + [f'--out_dir={ref}', '--max_iters=3'])
     wa, wb = weights(ref), weights(out)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     import checkpoint

@@ -15,7 +15,7 @@ import os
 import torch
 
 from reward import combine, group_advantages
-from test_train import ROOT, metrics, run
+from test_train import ROOT, metrics, run, run_here
 
 # train.py with its reward and loss pieces wrapped to record, per rank, what the reward model returned
 # (prompt, scores) and what the objective received (advantages, valid mask); RECORD_NAN=k makes the k-th
@@ -46,15 +46,16 @@ runpy.run_path('train.py', run_name='__main__')
 '''
 
 
-def test_the_loop_learns_and_logs_sensible_kls(tmp_path):
+def test_the_loop_learns_and_logs_sensible_kls(tmp_path, monkeypatch):
     prompts = tmp_path / 'four.txt'
     with open(os.path.join(ROOT, 'assets/toy/train_prompts.txt')) as f:
         prompts.write_text(''.join(f.readlines()[:4]))  # few prompts: the policy can improve on them fast
     out = str(tmp_path / 'learn')
-    run(['train.py', 'config/toy.py', f'--train_prompts={prompts}', f'--eval_prompts={prompts}', '--prompts_per_iter=4',
-         '--group_size=4', '--rollout_batch=16', '--train_batch=16', '--num_steps=10', '--timestep_fraction=0.3',
-         '--max_iters=8', '--eval_every=0', '--eval_samples=4', '--eval_videos=0', '--save_every=0', '--diag_every=0',
-         '--anchor_every=3', '--seed=0', f'--out_dir={out}'], timeout=600)
+    run_here(monkeypatch, ['train.py', 'config/toy.py', f'--train_prompts={prompts}', f'--eval_prompts={prompts}',
+                           '--prompts_per_iter=4', '--group_size=4', '--rollout_batch=16', '--train_batch=16',
+                           '--num_steps=10', '--timestep_fraction=0.3', '--max_iters=8', '--eval_every=0',
+                           '--eval_samples=4', '--eval_videos=0', '--save_every=0', '--diag_every=0',
+                           '--anchor_every=3', '--seed=0', f'--out_dir={out}'])
     rows = metrics(out)
     evals = [r['eval_composite'] for r in rows if 'eval_composite' in r]  # iteration 0 and 8, same seeds
     assert evals[-1] - evals[0] > 0.05, evals  # +0.13 as committed; -0.29 with the ratio inverted

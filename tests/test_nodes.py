@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from bench.nodes import Job, node_dirs, run as run_nodes
-from test_train import ROOT, metrics, run, weights
+from test_train import ROOT, metrics, run, run_here, weights
 
 import checkpoint
 
@@ -56,11 +56,11 @@ def tmp_files(*dirs):
     return [os.path.join(r, f) for d in dirs for r, ds, fs in os.walk(d) for f in ds + fs if f.endswith('.tmp')]
 
 
-def test_hsdp_2x2_sp2_equals_one_process_and_checkpoints_hold_every_shard(tmp_path):
+def test_hsdp_2x2_sp2_equals_one_process_and_checkpoints_hold_every_shard(tmp_path, monkeypatch):
     args = ['train.py', 'config/toy.py'] + SMALL + toy2(tmp_path) + [
         '--max_iters=3', '--save_every=1', '--diag_every=3', '--optimizer=muon', '--learning_rate=1e-5']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
-    run(args + [f'--out_dir={one}'])
+    run_here(monkeypatch, args + [f'--out_dir={one}'])
     dirs = node_dirs(tmp_path, 2)
     status, job = run_nodes(args + [f'--out_dir={two}', '--sp_size=2'], dirs, nproc=2)
     assert status == [0, 0], job.logs()

@@ -1,6 +1,8 @@
 """
-No run is lost (rundir.py, train.py's start, checkpoint.py's rotation), as a user meets it: train.py
-processes on one small finished run, the sequence that used to destroy it first.
+No run is lost (rundir.py, train.py's start, checkpoint.py's rotation), as a user meets it: train.py's
+command lines on one small finished run, the sequence that used to destroy it first (the run that is
+SIGKILLed is a process; the others run in this process, test_train.run_here: a refusal is a
+SystemExit with one line, which Python prints without a traceback, exit status 1).
 - the same command with a smaller --max_iters, --init_from=scratch, and other run-defining settings
   (the model, group size, LoRA rank, learning rate): each stops with one line (the directory, what
   it holds, the ways on; each differing setting) and after all three every byte of the run, prompt
@@ -26,7 +28,7 @@ import time
 import pytest
 import torch
 
-from test_train import ROOT, metrics, run
+from test_train import ROOT, metrics, run_here
 
 import checkpoint
 
@@ -46,27 +48,26 @@ def snapshot(out):
     return files
 
 
-def refused(args, *says):
-    p = run(args, check=False)
-    last = p.stderr.strip().splitlines()[-1]
-    assert p.returncode == 1 and 'Traceback' not in p.stderr and all(s in last for s in says), (says, p.stderr[-2000:])
-    return last
+def refused(monkeypatch, args, *says):
+    said, _ = run_here(monkeypatch, args, check=False)
+    assert said is not None and '\n' not in said and all(s in said for s in says), (says, said)
+    return said
 
 
-def test_same_command_continues_and_no_start_destroys_a_run(tmp_path):
+def test_same_command_continues_and_no_start_destroys_a_run(tmp_path, monkeypatch):
     out = str(tmp_path / 'out')
-    run(S + [f'--out_dir={out}', '--max_iters=3'])
+    run_here(monkeypatch, S + [f'--out_dir={out}', '--max_iters=3'])
     first, lines = snapshot(out), open(os.path.join(out, 'metrics.jsonl')).readlines()
     videos = sorted(v for v in first if v.startswith('eval'))
     assert len(lines) == 7 and len(videos) == 16 and checkpoint.found(out) == ['ckpt_000002', 'ckpt_000003']
     # 1. the same command, --max_iters=1: it used to start over, truncate the log to 3 lines, delete 8
     # videos, and rotate away its own new checkpoint (ckpt_000001 sorted before the old run's)
-    refused(S + [f'--out_dir={out}', '--max_iters=1'], f"'{out}' holds a run at iteration 3 (ckpt_000003), past "
+    refused(monkeypatch, S + [f'--out_dir={out}', '--max_iters=1'], f"'{out}' holds a run at iteration 3 (ckpt_000003), past "
             'max_iters=1', '--max_iters', '--out_dir')
-    refused(S + [f'--out_dir={out}', '--max_iters=3', '--init_from=scratch'],
+    refused(monkeypatch, S + [f'--out_dir={out}', '--max_iters=3', '--init_from=scratch'],
             f"'{out}' holds a run (checkpoints ckpt_000002, ckpt_000003; metrics.jsonl: 7 lines up to iteration 3; "
             '16 eval videos): nothing in it was changed', 'init_from=auto', '--out_dir')
-    refused(S + [f'--out_dir={out}', '--max_iters=3', '--group_size=4', '--lora_rank=4', '--learning_rate=1e-3',
+    refused(monkeypatch, S + [f'--out_dir={out}', '--max_iters=3', '--group_size=4', '--lora_rank=4', '--learning_rate=1e-3',
                  '--model=/elsewhere/toy'],  # a refused start reads no model: the prompt cache stays too
             "group_size 2 (the run) vs 4", "learning_rate 0.0001 (the run) vs 0.001", "lora_rank 0 (the run) vs 4",
             "model 'assets/toy' (the run) vs '/elsewhere/toy'")
@@ -80,10 +81,10 @@ def test_same_command_continues_and_no_start_destroys_a_run(tmp_path):
     while f'pid {p.pid} on' not in open(os.path.join(out, '.lock')).read():  # it holds out_dir
         assert p.poll() is None and time.time() - t0 < 120, open(tmp_path / 'log.txt').read()[-3000:]
         time.sleep(0.05)
-    refused(on, f"'{out}' is in use by another run (pid {p.pid} on")
+    refused(monkeypatch, on, f"'{out}' is in use by another run (pid {p.pid} on")
     p.send_signal(signal.SIGKILL)  # the kernel releases its lock
     p.wait()
-    run(on)
+    run_here(monkeypatch, on)
     rows = metrics(out)
     assert [r['iter'] for r in rows if 'reward' in r] == [1, 2, 3, 4, 5]
     assert [r['iter'] for r in rows if 'eval_composite' in r] == [0, 1, 2, 3, 4, 5]

@@ -1,10 +1,11 @@
 """
-sample.py end to end, as a user runs it (a subprocess) from a train.py checkpoint of the toy (one
-iteration with the dance sampler, so dance also runs through the loop): the mp4 files read back
+sample.py end to end, from its command line (run in this test process: test_train.run_here), from
+a train.py checkpoint of the toy (one iteration with the dance sampler, so dance also runs through
+the loop): the mp4 files read back
 with the right shape, the labelled contact sheet's layout, the metrics table (the toy's reward,
 CLIPScore and PickScore of tiny random CLIP models), train.py's own held-out evaluations below it and
 what got better and worse; with a metric's weights missing, the videos and sheet are still written
-and the table is skipped naming the download. ~35 s on 2 cores (3 processes).
+and the table is skipped naming the download.
 
     python -m pytest tests/test_sample.py
 """
@@ -14,18 +15,19 @@ import os
 
 import imageio.v3 as iio
 
-from test_train import SMALL, check_sampler, run
+from test_train import SMALL, check_sampler, run_here
 
 
-def test_sample_writes_videos_and_contact_sheet(tmp_path):
+def test_sample_writes_videos_and_contact_sheet(tmp_path, monkeypatch):
     ckpt = str(tmp_path / 'ck')
-    run(SMALL + [f'--out_dir={ckpt}', '--max_iters=1', '--sampler=dance'])  # dance through the loop too
+    run_here(monkeypatch, SMALL + [f'--out_dir={ckpt}', '--max_iters=1', '--sampler=dance'])  # dance through the loop too
     check_sampler(ckpt, 'dance', 2)  # the toy's timestep_fraction 0.5 of 4 stochastic steps
     from tiny_clip import make_tiny_clip
     clip_dir, pick_dir = make_tiny_clip(str(tmp_path / 'clip'), 'clip'), make_tiny_clip(str(tmp_path / 'clip'), 'pickscore')
     out = str(tmp_path / 'samples')
-    p = run(['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_steps=4',  # the toy's 16 x 2 seeds
-             '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}', f'--pickscore_dir={pick_dir}'])
+    said = run_here(monkeypatch, ['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_steps=4',
+                                  '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}',
+                                  f'--pickscore_dir={pick_dir}'])  # the toy's 16 prompts x 2 seeds
     import toy
     with open(os.path.join(os.path.dirname(toy.__file__), 'assets', 'toy', 'eval_prompts.txt')) as f:
         pairs = sorted(toy.parse(l)[::2] for l in f if l.strip())  # (colour, direction) of each default prompt
@@ -41,26 +43,26 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path):
     assert sheet.shape[0] == 16 * (title_h + 2 * (zoom * toy.HEIGHT + 2))  # a block per prompt, its first seed
     assert sheet.shape[1] == label_w + toy.FRAMES * (zoom * toy.WIDTH + 2)
     assert (sheet[:title_h, :label_w] < 128).any() and (sheet[title_h:, :label_w] < 128).any()  # text drawn
-    assert 'contact sheet' in p.stdout
+    assert 'contact sheet' in said
     # the metrics table: every metric of the toy's reward plus the visual ones, base and aligned
     with open(os.path.join(out, 'metrics.json')) as f:
         table = json.load(f)
     keys = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'clipscore', 'pickscore')
     assert list(table) == ['base', 'aligned'] and all(math.isfinite(table[m][k]) for m in table for k in keys)
-    assert 'metrics, mean over 16 prompts x 2 seeds' in p.stdout and all(k in p.stdout for k in keys)
+    assert 'metrics, mean over 16 prompts x 2 seeds' in said and all(k in said for k in keys)
     # below it, train.py's own held-out evaluations (iteration 0 and the checkpoint's), read from its log
     with open(os.path.join(ckpt, 'metrics.jsonl')) as f:
         ev = [json.loads(l) for l in f if 'eval_composite' in l]
-    below = p.stdout.split("train.py's held-out evaluation")[1]
+    below = said.split("train.py's held-out evaluation")[1]
     for r in (ev[0], ev[-1]):
         assert f'iter {r["iter"]} ' in below and f'{r["eval_composite"]:.4f}' in below
     # and what got better and worse, as metrics.json says (manifold distance: lower is better)
-    better = p.stdout.split('aligned vs base: better on ')[1].split('; worse on')[0]
+    better = said.split('aligned vs base: better on ')[1].split('; worse on')[0]
     for k in ('composite', 'manifold'):
         d = table['aligned'][k] - table['base'][k]
         assert (f'{k} {d:+.4f}' in better) == (d * (-1 if k == 'manifold' else 1) > 0), (k, d, better)
-    assert 'standard error over these 32 paired clips' in p.stdout
+    assert 'standard error over these 32 paired clips' in said
     # missing weights: the videos and the sheet are written, the table is skipped naming the download
-    p = run(['sample.py', '--checkpoint=', f'--out_dir={tmp_path / "s2"}', '--num_prompts=1', '--num_steps=2',
-             '--eval_metrics=pickscore', '--pickscore_dir=/nonexistent/pick'])
-    assert 'no metrics table' in p.stdout and 'hf download yuvalkirstain/PickScore_v1 --local-dir /nonexistent/pick' in p.stdout
+    said = run_here(monkeypatch, ['sample.py', '--checkpoint=', f'--out_dir={tmp_path / "s2"}', '--num_prompts=1',
+                                  '--num_steps=2', '--eval_metrics=pickscore', '--pickscore_dir=/nonexistent/pick'])
+    assert 'no metrics table' in said and 'hf download yuvalkirstain/PickScore_v1 --local-dir /nonexistent/pick' in said

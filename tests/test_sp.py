@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
 from model import load_transformer, velocity  # noqa: E402
+from test_train import run_here  # noqa: E402
 from tiny_hunyuan import make_tiny_hunyuan  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
@@ -79,7 +80,7 @@ def test_sp4_and_dp2_sp2_equal_one_process(tmp_path):
             assert work['rank'].tolist() == [dp_rank * n + c % n for c in range(2 * n - 1)], (n, dp_rank, work)
 
 
-def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path):
+def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path, monkeypatch):
     # the toy world with a 2-head transformer (assets/toy's has 3 heads, which Ulysses cannot split
     # in 2: train.py says so); random weights are enough to compare two runs
     import shutil
@@ -99,7 +100,9 @@ def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
 
-    def run(cmd, out, extra=()):
+    def run(cmd, out, extra=()):  # one process: in this one (test_train.run_here)
+        if cmd == [sys.executable]:
+            return run_here(monkeypatch, args + [f'--out_dir={out}', *extra])
         p = subprocess.run(cmd + args + [f'--out_dir={out}', *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         assert p.returncode == 0, f'{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}'
 

@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from test_train import NoPreemption, metrics, run, weights
+from test_train import NoPreemption, metrics, run, run_here, weights
 
 ARGS = ['train.py', 'config/toy.py', '--prompts_per_iter=4', '--group_size=2', '--num_steps=4', '--train_batch=2',
         '--diag_every=2', '--max_iters=3', '--eval_every=0', '--eval_videos=0', '--export_dtype=']
@@ -48,11 +48,11 @@ def eval_prompts(tmp_path):
 # each update differs (1e-6 of the weights per iteration at the toy's lr 1e-4, so the paper's 1e-5 here),
 # and the figures that measure the move itself (kl_pos, kl_grad_ratio) differ by ~1e-4.
 @pytest.mark.parametrize('optimizer,lr,rtol,eval_samples,rollout_batch', [('muon', 1e-5, 1e-3, 3, 2)])
-def test_two_ranks_equal_one_process(tmp_path, optimizer, lr, rtol, eval_samples, rollout_batch):
+def test_two_ranks_equal_one_process(tmp_path, monkeypatch, optimizer, lr, rtol, eval_samples, rollout_batch):
     args = ARGS + [f'--optimizer={optimizer}', f'--learning_rate={lr}', f'--eval_prompts={eval_prompts(tmp_path)}', f'--eval_samples={eval_samples}',
                    f'--rollout_batch={rollout_batch}']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
-    run(args + [f'--out_dir={one}'])
+    run_here(monkeypatch, args + [f'--out_dir={one}'])
     p = run(args + [f'--out_dir={two}'], torchrun=True)
     assert 'eval composite before' in p.stdout  # the last evaluation says what changed since the first
     wa, wb = weights(one), weights(two)

@@ -34,7 +34,7 @@ import model
 import sde
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train import ROOT, run, weights  # noqa: E402
+from test_train import ROOT, run, run_here, weights  # noqa: E402
 from tiny_videoalign import make_tiny_videoalign  # noqa: E402
 from tiny_wan import TINY, TINY_22, make_tiny_wan  # noqa: E402
 
@@ -228,7 +228,7 @@ def test_sp2_velocity_and_gradient_equal_one_process(roots, tmp_path):
 
 # ----------------------------------------------------------------------------- train.py, sample.py
 
-def test_train_ranks_sp_resume_export_and_sample(roots, tmp_path):
+def test_train_ranks_sp_resume_export_and_sample(roots, tmp_path, monkeypatch):
     ckpt_dir, qwen_dir = make_tiny_videoalign(str(tmp_path / 'va'))
     (tmp_path / 'train.txt').write_text('a red car moving left\na blue circle moving up\n'
                                         'a green cat on the ground\n')
@@ -240,14 +240,14 @@ def test_train_ranks_sp_resume_export_and_sample(roots, tmp_path):
             '--optimizer=adamw', '--learning_rate=1e-4', f'--train_prompts={tmp_path / "train.txt"}',
             f'--eval_prompts={tmp_path / "eval.txt"}']
     one, two, sp2, back = (str(tmp_path / d) for d in ('one', 'two', 'sp2', 'back'))
-    run(args + [f'--out_dir={one}', '--export_dtype=float32'])
+    run_here(monkeypatch, args + [f'--out_dir={one}', '--export_dtype=float32'])  # 1 process, in this one
     run(args + [f'--out_dir={two}', '--export_dtype='], torchrun=True)               # 2 FSDP ranks
     run(args + [f'--out_dir={sp2}', '--export_dtype=', '--sp_size=2'], torchrun=True)  # one sp group of 2
     os.makedirs(back)  # the 2-rank iteration-2 checkpoint, resumed by 1 process for iteration 3
     os.rename(os.path.join(two, 'ckpt_000002'), os.path.join(back, 'ckpt_000002'))
     with open(os.path.join(back, 'latest'), 'w') as f:
         f.write('ckpt_000002')
-    run(args + [f'--out_dir={back}', '--export_dtype=', '--init_from=resume'])
+    run_here(monkeypatch, args + [f'--out_dir={back}', '--export_dtype=', '--init_from=resume'])
 
     w = {d: weights(d) for d in (one, two, sp2, back)}
     norm = lambda d: math.sqrt(sum((t.double() ** 2).sum().item() for t in d.values()))
@@ -265,9 +265,9 @@ def test_train_ranks_sp_resume_export_and_sample(roots, tmp_path):
     assert set(w[one]) <= set(exported.state_dict())
     # sample.py renders base and aligned (the resumed run's checkpoint) videos from the directory
     out = str(tmp_path / 'samples')
-    run(['sample.py', f'--model={roots["2.1"]}', f'--checkpoint={back}', f'--prompts={tmp_path / "eval.txt"}',
-         '--num_prompts=2', '--num_steps=2', '--num_frames=9', '--height=32', '--width=32', f'--out_dir={out}',
-         '--metrics_table=False'])
+    run_here(monkeypatch, ['sample.py', f'--model={roots["2.1"]}', f'--checkpoint={back}',
+                           f'--prompts={tmp_path / "eval.txt"}', '--num_prompts=2', '--num_steps=2', '--num_frames=9',
+                           '--height=32', '--width=32', f'--out_dir={out}', '--metrics_table=False'])
     for name in ('base', 'aligned'):
         for i in range(2):
             assert iio.imread(os.path.join(out, f'{name}_{i}.mp4')).shape == (9, 32, 32, 3)
