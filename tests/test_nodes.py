@@ -16,6 +16,7 @@ Cost: 105 s of CPU time (3 launches of 2 agents and a one-process run); 132 s wa
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -139,7 +140,10 @@ def test_a_killed_rank_ends_every_process_within_seconds(tmp_path):
     finally:
         job.kill()
     assert status == [1, 1] and max(after) < 20, (after, job.logs())
-    assert 'rank 0 (' in job.logs() and ': a collective failed: ' in job.logs(), job.logs()
+    # rank 0's one line: its next collective failed, or, when its agent stopped it first (the other
+    # agent closed the rendezvous), its SIGTERM found the peer gone (preemption.py)
+    assert re.search(r'rank 0 \([^)]*\): a collective failed: |rank 0: SIGTERM, but the stop failed', job.logs()), \
+        job.logs()
     print(f'every agent ended {after} s after the kill')
 
 

@@ -230,8 +230,13 @@ def run_here(monkeypatch, args, check=True):
     monkeypatch.setattr(sys, 'argv', args)
     monkeypatch.setattr(preemption, 'Preemption', NoPreemption)
     printed = io.StringIO()
+
+    class Tee(io.TextIOBase):  # what it prints: kept, and on this process's stdout (capsys reads it)
+        def write(self, text, out=sys.stdout):
+            printed.write(text)
+            return out.write(text)
     try:
-        with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(printed):
+        with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(Tee()):
             torch.manual_seed(67280421310721)  # torch's default seed: a new process's global RNG
             runpy.run_path(os.path.join(ROOT, args[0]), run_name='__main__')
     except SystemExit as e:
@@ -246,32 +251,20 @@ def run_here(monkeypatch, args, check=True):
 
 
 def train_in_process(monkeypatch, args):
-    """train.py run in this process (runpy: the imports are paid once) up to its first iteration, that is
-    through its loading, its resume, checkpoint.forget_after and an owed evaluation, or to its end if it
-    has no iteration to run: the message of its SystemExit, or None. A str SystemExit is what Python
-    prints as one line, without a traceback, exit status 1."""
-    import preemption
-    import rundir
+    """train.py run in this process (run_here) up to its first iteration, that is through its loading,
+    its resume, checkpoint.forget_after and an owed evaluation, or to its end if it has no iteration to
+    run: the message of its SystemExit, or None. A str SystemExit is what Python prints as one line,
+    without a traceback, exit status 1."""
     import sde
 
     def first_iteration(*a):
         raise Loaded
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, 'argv', args)
-    monkeypatch.setattr(preemption, 'Preemption', NoPreemption)
-    monkeypatch.setattr(sde, 'window', first_iteration)  # the iteration's first draw
-    try:
-        import runpy
-        runpy.run_path(os.path.join(ROOT, args[0]), run_name='__main__')
-    except Loaded:
-        pass
-    except SystemExit as e:
-        assert isinstance(e.code, str), (args, e.code)
-        return e.code
-    finally:  # the process lives on: out_dir's lock is let go as a process exit would
-        if rundir._held is not None:
-            os.close(rundir._held)
-            rundir._held = None
+    with monkeypatch.context() as m:  # only this run stops there
+        m.setattr(sde, 'window', first_iteration)  # the iteration's first draw
+        try:
+            return run_here(monkeypatch, args, check=False)[0]
+        except Loaded:
+            return None
 
 
 def test_bad_settings_fail_clearly_and_keep_what_was_written(tmp_path, monkeypatch):
