@@ -343,6 +343,8 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
     f = fam or HUNYUAN
     n_store = n_store if n_store is not None else clips * sp // max(world, 1)  # an sp group shares its clips
     mesh = sp_mesh = None
+    if sp > 1 and f.tokens(Fr, H, W) % sp:  # the family's check (hunyuan15.pad_for_sp), before anything is built
+        raise ValueError(f'{f.tokens(Fr, H, W)} video tokens do not split over sp {sp}')
     if world:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -352,8 +354,6 @@ def measure(cfg, what, Fr, H, W, world=gpus, lora=0, fake=True, attn='gpu', bf16
         mesh = init_device_mesh('cpu', (world,))  # before the fake mode: a mesh of real ranks
         if sp > 1:
             import sp as sp_mod
-            if f.tokens(Fr, H, W) % sp:  # the family's check (hunyuan15.pad_for_sp), before anything is built
-                raise ValueError(f'{f.tokens(Fr, H, W)} video tokens do not split over sp {sp}')
             sp_mesh = sp_mod.mesh(sp, 'cpu')
             if f is HUNYUAN:  # hunyuan15.pad_for_sp: the text split evenly too (Wan does not split its text)
                 L1 += -(L1 + L2 + IMAGE_TOKENS) % sp

@@ -13,6 +13,17 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
+def no_process_group_left():
+    # a test that initialises a process group in this process (a fake one for the full-size bench)
+    # must destroy it: train.py run here afterwards (test_train.run_here) would take it for torchrun's
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail('this test left a process group initialised')
+
+
+@pytest.fixture(autouse=True)
 def passes_from_zero():
     # model.PASSES counts this process's transformer passes between two count_passes calls; a test
     # that runs forwards in this process must not leave its count to the next (a process starts at 0)

@@ -155,7 +155,10 @@ parallel.init('cpu', 0.1)
 seen = [(name, m[name].get_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds())
         for m in (parallel.fsdp_mesh(2, 1, 'cpu'), parallel.mesh('cpu', (2, 1, 1), ('dp', 'ring', 'ulysses')))
         for name in m.mesh_dim_names]
-print('groups', *[f'{n}={t}' for n, t in seen], flush=True)  # one write a rank: the ranks' lines never mix
+import sys
+# one write a rank (print writes each piece apart on an unbuffered stdout: the ranks' lines mixed)
+sys.stdout.write(' '.join(['groups'] + [f'{n}={t}' for n, t in seen]) + '\\n')
+sys.stdout.flush()
 dist.destroy_process_group()
 """
 
