@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from bench.nodes import Job, node_dirs, run as run_nodes
-from test_train import ROOT, metrics, run, run_here, weights
+from test_train import ROOT, metrics, run_here, weights
 
 import checkpoint
 
