@@ -21,6 +21,7 @@ timings and memory are left out. What it pins:
 Cost: ~45 s of CPU time for the file (2 one-process and 1 torchrun runs of the toy); 1-2 min wall on 2 loaded cores.
 """
 import math
+import sys
 
 import pytest
 import torch
@@ -71,35 +72,26 @@ def test_two_ranks_equal_one_process(tmp_path, monkeypatch, optimizer, lr, rtol,
             assert a[k] == pytest.approx(b[k], rel=rtol, abs=atol), (a['iter'], k, a[k], b[k])
 
 
-# train.py with probes: at every sampling call (rollouts and evaluation) no trainable weight holds a
-# gradient, and when the update starts (loss.denominator, once per optimizer step) the decoded frames
-# and the per-batch rollout records are gone from train.py's namespace
-PROBE = '''
-import runpy, sys, loss, model
-seen = []
-def params():
-    return [p for p in sys.modules['__main__'].__dict__['policy'].parameters() if p.requires_grad]
-inner_sample, inner_denom = model.sample, loss.denominator
-def sample(policy, *a, **kw):
-    seen.append(('grads', sum(p.grad is not None for p in params())))
-    return inner_sample(policy, *a, **kw)
-def denominator(*a):
-    g = sys._getframe(1).f_globals
-    seen.append(('kept', [k for k in ('frames', 'latents', 'traj', 'rec') if k in g]))
-    return inner_denom(*a)
-model.sample, loss.denominator = sample, denominator
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path('train.py', run_name='__main__')
-finally:
-    print('PROBE', seen)
-'''
+def test_update_and_rollout_hold_only_what_they_need(tmp_path, monkeypatch):
+    # train.py with probes (run here): at every sampling call (rollouts and evaluation) no trainable
+    # weight holds a gradient, and when the update starts (loss.denominator, once per optimizer step)
+    # the decoded frames and the per-batch rollout records are gone from train.py's namespace
+    import loss
+    import model
+    seen, inner_sample, inner_denom = [], model.sample, loss.denominator
 
+    def sample(policy, *a, **kw):
+        seen.append(('grads', sum(p.grad is not None for p in policy.parameters() if p.requires_grad)))
+        return inner_sample(policy, *a, **kw)
 
-def test_update_and_rollout_hold_only_what_they_need(tmp_path):
-    p = run(['-c', PROBE] + ARGS + ['--rollout_batch=4', '--max_iters=2', '--diag_every=1', '--eval_samples=1',
-                                    f'--eval_prompts={eval_prompts(tmp_path)}', f'--out_dir={tmp_path / "probe"}'])
-    seen = eval(next(l for l in p.stdout.splitlines() if l.startswith('PROBE '))[6:])
+    def denominator(*a):
+        g = sys._getframe(1).f_globals  # train.py's
+        seen.append(('kept', [k for k in ('records', 'frames', 'latents') if k in g]))
+        return inner_denom(*a)
+    monkeypatch.setattr(model, 'sample', sample)
+    monkeypatch.setattr(loss, 'denominator', denominator)
+    run_here(monkeypatch, ARGS + ['--rollout_batch=4', '--max_iters=2', '--diag_every=1', '--eval_samples=1',
+                                  f'--eval_prompts={eval_prompts(tmp_path)}', f'--out_dir={tmp_path / "probe"}'])
     grads, kept = [v for k, v in seen if k == 'grads'], [v for k, v in seen if k == 'kept']
     assert len(grads) == 1 + 2 + 2 + 1 and len(kept) == 2, seen  # eval, 2 x 2 rollout batches, eval; 2 updates
     assert grads == [0] * len(grads) and kept == [[]] * 2, seen
