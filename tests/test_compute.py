@@ -3,14 +3,15 @@ Counting the work and the SDE window. python -m pytest tests/test_compute.py
 - sde.window: w consecutive stochastic steps, every start equally likely, a function of its seed;
   equalizer.scales over a subset against docs/method.md section 3's formulas written out here;
 - model.sample with a window: steps outside it are Euler steps with no log-probability;
-- train.py (subprocesses): a window covering every step is bitwise the run without one (weights, metrics);
+- train.py (as a user runs it): a window covering every step is bitwise the run without one (weights, metrics);
   with a window, only its steps are trained and step t's loss is scaled by S_t of that very step,
   the median over the window (recorded at train.py's loss pieces, computed here from the formulas);
   a windowed run resumed equals the uninterrupted one bitwise (weights, optimizer state, figures);
   the logged transformer passes equal a hand count from the settings, across a resume, and on 2
   ranks under torchrun (gloo), where both ranks train the same window; bench/compute.py's formula
   for the passes of a setting equals that count; its verdicts on fabricated curves with known answers.
-Cost: ~80 s of CPU (six short train.py runs, one under torchrun), measured on a loaded machine.
+Cost: six short train.py runs: three in this process (test_train.run_here), two processes with a
+recorder, one under torchrun.
 """
 import json
 import math

@@ -10,8 +10,7 @@ started from a working directory of its own, so that a relative path is a node's
 - a node-local out_dir: every process stops within seconds with the one line, nothing trained;
 - a rank killed mid-run: every process ends within seconds, rank 0 with one line in torch's words;
   the groups torch creates for the HSDP and sp meshes wait dist_timeout, not torch's 30 minutes.
-Cost: 105 s of CPU time (3 launches of 2 agents and a one-process run); 132 s wall on this machine's
-2 cores at a load of 8 (83 s, 20 s, 27 s for the three tests).
+Cost: 3 launches of 2 agents and a one-process run (in this process, test_train.run_here).
 """
 import json
 import math

@@ -1,6 +1,6 @@
 """
 No run is lost (rundir.py, train.py's start, checkpoint.py's rotation), as a user meets it: train.py's
-command lines on one small finished run, the sequence that used to destroy it first (the run that is
+command lines on one small finished run, first the starts that would destroy it (the run that is
 SIGKILLed is a process; the others run in this process, test_train.run_here: a refusal is a
 SystemExit with one line, which Python prints without a traceback, exit status 1).
 - the same command with a smaller --max_iters, --init_from=scratch, and other run-defining settings
@@ -60,8 +60,8 @@ def test_same_command_continues_and_no_start_destroys_a_run(tmp_path, monkeypatc
     first, lines = snapshot(out), open(os.path.join(out, 'metrics.jsonl')).readlines()
     videos = sorted(v for v in first if v.startswith('eval'))
     assert len(lines) == 7 and len(videos) == 16 and checkpoint.found(out) == ['ckpt_000002', 'ckpt_000003']
-    # 1. the same command, --max_iters=1: it used to start over, truncate the log to 3 lines, delete 8
-    # videos, and rotate away its own new checkpoint (ckpt_000001 sorted before the old run's)
+    # 1. the same command, --max_iters=1: starting over would truncate the log to 3 lines, delete 8
+    # videos, and rotate away its own new checkpoint (ckpt_000001 sorts before the run's)
     refused(monkeypatch, S + [f'--out_dir={out}', '--max_iters=1'], f"'{out}' holds a run at iteration 3 (ckpt_000003), past "
             'max_iters=1', '--max_iters', '--out_dir')
     refused(monkeypatch, S + [f'--out_dir={out}', '--max_iters=3', '--init_from=scratch'],

@@ -83,10 +83,10 @@ GOLDEN = os.path.join(ROOT, 'tests', 'data', 'toy_small_metrics.jsonl')  # SMALL
 
 
 def same_as_golden(out):
-    """The run's metrics.jsonl against GOLDEN, a run of the same command recorded before train.py's
-    loop was restructured: every row and field but the timings and memory, to float rounding
-    across CPUs (this machine: equal bitwise). Behaviour changes on purpose rerecord it:
-    REGENERATE=1 python -m pytest tests/test_train.py -k one_process."""
+    """The run's metrics.jsonl against GOLDEN, the recorded log of the same command: every row and
+    field but the timings and memory, to float rounding across CPUs (equal bitwise on the machine
+    that recorded it). A refactoring changes none of it; a change of behaviour on purpose rerecords
+    it: REGENERATE=1 python -m pytest tests/test_train.py -k one_process."""
     rows = [{k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))} for r in metrics(out)]
     if os.environ.get('REGENERATE'):
         with open(GOLDEN, 'w') as f:
@@ -107,7 +107,7 @@ def test_toy_one_process_and_exact_resume(tmp_path, monkeypatch):
     small = SMALL + ['--optimizer=muon']
     run(small + [f'--out_dir={a}', '--max_iters=4'])
     check_run(a, 4)
-    same_as_golden(a)  # the same figures as before the loop was restructured
+    same_as_golden(a)  # the figures this command is recorded to log
     run_here(monkeypatch, small + [f'--out_dir={b}', '--max_iters=2'])
     run_here(monkeypatch, small + [f'--out_dir={b}', '--max_iters=4', '--init_from=resume'])
     wa, wb = weights(a), weights(b)

@@ -5,20 +5,19 @@ FSDP2 step). The trained weights agree to <= 1e-6 (relative) and every figure of
 metrics.jsonl (losses, KLs, gradient norms, diagnostics, rewards, held-out evaluation) agrees too; only
 timings and memory are left out. What it pins:
 - gradients are cleared through the optimizers' sharded tensors: FSDP2 keeps the root unit unsharded
-  after the rollout's no-grad forwards, so policy.zero_grad() missed the root's (sharded) gradients, which
-  then summed over iterations (weights 4.8e-4 apart after 3 iterations). diag_every=2: an iteration with
-  the diagnostics and one without (the diagnostics' backwards cleared them by accident, but read the
-  stale sum themselves);
-- the logged loss and the diagnostics do not depend on the world size (the loss was world x too large,
-  a diagnostic norm was of rank 0's and rank 1's clip averaged by FSDP); at one optimizer step per
-  rollout batch the ratio is 1 up to float noise (nothing clipped) on both;
+  after the rollout's no-grad forwards, so policy.zero_grad() would miss the root's (sharded)
+  gradients, which would then sum over iterations (weights 4.8e-4 apart after 3 iterations). The
+  diagnostics run too: their backwards clear the gradients, so they must not read a stale sum;
+- the logged loss and the diagnostics do not depend on the world size (a loss world x too large, or a
+  diagnostic norm of rank 0's and rank 1's clips averaged by FSDP, would show); at one optimizer step
+  per rollout batch the ratio is 1 up to float noise (nothing clipped) on both;
 - evaluation with items that do not divide over ranks x rollout_batch (9 items at rollout_batch 2):
-  every rank runs the same number of forward batches (the ranks used to run 2 and 1: gloo aborted);
-- what the update does not need is freed before it, gradients after it (a 1-process run, checked from
-  inside train.py at every rollout, evaluation and update);
+  every rank runs the same number of forward batches (ranks running 2 and 1 would abort gloo);
+- what the update does not need is freed before it, gradients after it (a 1-process run in this
+  process, checked from inside train.py at every rollout, evaluation and update);
 - evaluate.HeldOut with eval_samples > 1 (in this process): each sample of a prompt has its own noise
   and score, and every evaluation draws the same items.
-Cost: ~45 s of CPU time for the file (2 one-process and 1 torchrun runs of the toy); 1-2 min wall on 2 loaded cores.
+Cost: one torchrun launch; the one-process runs are in this process (test_train.run_here).
 """
 import math
 import sys

@@ -15,7 +15,7 @@ per-token timesteps), then train.py and sample.py end to end on the Wan 2.1 one:
 - train.py: 1 process, 2 FSDP ranks and 2 ranks as one sp group agree within 1e-6 after 3 iterations;
   1 process resumed from the 2-rank iteration-2 checkpoint continues to the same weights; the export
   loads with WanTransformer3DModel.from_pretrained and is the trained policy; sample.py renders mp4s.
-python -m pytest tests/test_wan.py     (6 subprocess launches, 3 of them torchrun: 75 s on 2 cores)
+python -m pytest tests/test_wan.py     (2 torchrun launches; the one-process runs and sample.py in this process)
 """
 import functools
 import math
