@@ -264,6 +264,13 @@ def step_loss(clips, b, t, eq_scale, lam, denom):
     return masked_sum(per_clip, clips['valid'][b]) / denom, terms
 
 
+def gradient_norms(clips, steps, eq_scale, lam):
+    """diagnostics.gradient_norms of the first sp group's clip 0 (counted world x: FSDP averages ranks)."""
+    terms_at = lambda t: step_loss(clips, [0], torch.tensor([t]), eq_scale, lam, 1.0)[1]  # noqa: E731
+    return diagnostics.gradient_norms(terms_at, steps, eq_scale, lam, (kl_pos_weight, kl_vel_weight),
+                                      optimizers, world if dp_rank == 0 else 0, preemption.point)
+
+
 def score(latents, prompts):
     """Decode and score clips in memory: {'VQ', 'MQ', 'TA', ...: (n,)}, with tvrl also 'credit'."""
     frames = torch.cat([decode(x) for x in latents.split(rollout_batch)])  # (n, F, 3, H, W) in [0, 1]
@@ -339,10 +346,7 @@ while iter_num < max_iters:
     diag = {} if credit == 'none' else \
         {'credit_peak': parallel.mean(clips['credit'].flatten(1).amax(1).mean(), device)}
     if diag_every and iter_num % diag_every == 0:  # gradient norms of clip 0's terms: 4 more passes
-        diag.update(diagnostics.gradient_norms(
-            lambda t: step_loss(clips, [0], torch.tensor([t]), eq_scale, controller.value, 1.0)[1],
-            steps, eq_scale, controller.value, (kl_pos_weight, kl_vel_weight), optimizers,
-            world if dp_rank == 0 else 0, preemption.point))  # the first sp group's clip, counted once
+        diag.update(gradient_norms(clips, steps, eq_scale, controller.value))
     count_passes(passes, ('diag_anchor', 'diag'), device)
 
     # ---- update: every trained step of every clip, in a random order per clip

@@ -87,7 +87,9 @@ def test_update_and_rollout_hold_only_what_they_need(tmp_path, monkeypatch):
         g = sys._getframe(1).f_globals  # train.py's
         seen.append(('kept', [k for k in ('records', 'frames', 'latents') if k in g]))
         return inner_denom(*a)
+    import evaluate  # imported once per process: it holds its own name of model.sample
     monkeypatch.setattr(model, 'sample', sample)
+    monkeypatch.setattr(evaluate, 'sample', sample)
     monkeypatch.setattr(loss, 'denominator', denominator)
     run_here(monkeypatch, ARGS + ['--rollout_batch=4', '--max_iters=2', '--diag_every=1', '--eval_samples=1',
                                   f'--eval_prompts={eval_prompts(tmp_path)}', f'--out_dir={tmp_path / "probe"}'])
