@@ -33,6 +33,7 @@ Sections (the numbers of the README's tables):
  5. HunyuanVideo 1.5 on 8 GPUs on paper: memory per GPU and FLOPs per GRPO iteration.
  6. (bench/verdicts.py, its own script: its block of results/README.md is kept as it last wrote it)
     the paper's claims decided by paired seeds, 5 seeds x 60 iterations.
+ 7. (bench/compute.py, its own script, its block kept the same way) alignment per unit of compute.
 
 Where this differs from the issue's wording, and why: the overhead ratio of section 4 times the
 transformer passes in the bench process right after the train.py run (a subprocess: it runs as
@@ -205,7 +206,7 @@ def variance_regime(kind, s, s_next, eta, regime, s1):
 
 def std_tables():
     res = {}
-    for name, (n, k) in (('spec', (PAPER_STEPS, PAPER_SHIFT)), ('toy', (TOY['num_steps'], TOY['shift']))):
+    for name, (n, k) in (('paper', (PAPER_STEPS, PAPER_SHIFT)), ('toy', (TOY['num_steps'], TOY['shift']))):
         sig = sde.sigmas(n, k).double().tolist()
         res[name] = {regime: {kind: [math.sqrt(max(0.0, variance_regime(kind, sig[i], sig[i + 1], eta, regime, sig[1])))
                                      for i in range(n)] for kind in KINDS} for regime in ('subst', 'clamp', 'default')}
@@ -288,7 +289,7 @@ def section1():
     rows = []
     for kind in KINDS:
         for regime in (('subst', 'clamp', 'default') if kind in ('sage', 'flow') else ('default',)):
-            rows.append([kind, regime] + [f'{std["spec"][regime][kind][i]:.4f}' for i in steps])
+            rows.append([kind, regime] + [f'{std["paper"][regime][kind][i]:.4f}' for i in steps])
     md += [table(['kind', 'treatment'] + [f'step {i}' for i in steps], rows), '']
     nt = TOY['num_steps']
     md += [f'The toy schedule ({nt} steps, shift {TOY["shift"]}), default treatment:', '',
@@ -326,7 +327,7 @@ def section1():
     if plt:
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
         for kind in KINDS:
-            ax[0].plot(std['spec']['default'][kind], marker='.', label=kind)
+            ax[0].plot(std['paper']['default'][kind], marker='.', label=kind)
         ax[0].set(title=f'per-step std, 20 steps, shift 5, eta {eta}', xlabel='step', ylabel='std')
         ax[0].legend()
         for k, v in match.items():
@@ -386,7 +387,7 @@ def section2():
     runs = {}
     for kind in KINDS:
         runs[kind] = cell(f's2_{kind}_toy_c{grad_clips}', lambda: grad_norms(kind, TOY['num_steps'], TOY['shift']))
-    runs['sage@spec'] = cell(f's2_sage_spec_c{grad_clips}', lambda: grad_norms('sage', PAPER_STEPS, PAPER_SHIFT))
+    runs['sage@paper'] = cell(f's2_sage_paper_c{grad_clips}', lambda: grad_norms('sage', PAPER_STEPS, PAPER_SHIFT))
     stats = {k: fit_stats(v) for k, v in runs.items()}
     R['2'] = dict(runs=runs, stats=stats)
     md = ['## 2. Fig. 4: measured gradient norm vs the proxy N_t',
@@ -773,11 +774,13 @@ if found:
     head += ['## Findings', '', f'Sections 2 and 3 in a sentence each (section 3: {train_iters} iterations x '
              f'{seeds} seeds of every switch, parts (a)-(h); the paired 5-seed verdicts are section 6); the tables '
              'follow.', ''] + found + ['']
-keep = C.get_block(os.path.join(out, 'README.md'), 'bench.verdicts')  # section 6: bench/verdicts.py's block
+# sections 6 and 7: the blocks bench/verdicts.py and bench/compute.py write, kept as they last wrote them
+keep = {tag: C.get_block(os.path.join(out, 'README.md'), tag) for tag in ('bench.verdicts', 'bench.compute')}
 with open(os.path.join(out, 'README.md'), 'w') as f:
     f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
-if keep is not None:
-    C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', keep)
+for tag, lines in keep.items():
+    if lines is not None:
+        C.put_block(os.path.join(out, 'README.md'), tag, lines)
 with open(os.path.join(out, 'bench.json'), 'w') as f:
     json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
 

@@ -8,7 +8,7 @@ import sde
 STOCHASTIC = ('dance', 'flow', 'sage', 'cps')
 
 
-def test_spec_table():
+def test_paper_table():
     # docs/method.md section 3.3, sage at eta 0.5, 20 steps, shift 5, steps 0, 1, 5, 10, 15, 19
     sig, idx = sde.sigmas(20, 5.0), [0, 1, 5, 10, 15, 19]
     n, S = equalizer.proxy('sage', sig, 0.5), equalizer.scales('sage', sig, 0.5)

@@ -90,7 +90,7 @@ REFERENCE_STD = {
 
 
 @pytest.mark.parametrize('kind', STOCHASTIC)
-def test_spec_std_table(kind):
+def test_paper_std_table(kind):
     s = sde.sigmas(20, 5.0)
     std = [math.sqrt(sde.variance(kind, s[i].item(), s[i + 1].item(), 0.5)) for i in (0, 1, 5, 10, 15, 19)]
     # half a unit of the 4th decimal, +1e-6: flow step 5 is 0.248350 (6 d.p.), printed 0.2484
@@ -109,7 +109,7 @@ def test_variance_input_types():
         sde.variance('euler', 0.5, 0.4, 0.5)
 
 
-def spec_mean(kind, x, v, s, s_next, std):
+def paper_mean(kind, x, v, s, s_next, std):
     # docs/method.md section 2 written out, independently of sde.step's single form
     x0_hat, noise_hat = x - s * v, x + (1 - s) * v
     if kind == 'cps':
@@ -128,7 +128,7 @@ def test_logp_is_the_gaussian_density(kind):
     b = lambda t: t.view(3, 1, 1, 1)  # (B,) -> (B, 1, 1, 1)
     std = sde.variance(kind, s, s_next, 0.5).sqrt()
     assert out.std.shape == (3,) and torch.allclose(out.std, std)
-    assert torch.allclose(out.mean, spec_mean(kind, x, v, b(s), b(s_next), b(std)), atol=1e-6)
+    assert torch.allclose(out.mean, paper_mean(kind, x, v, b(s), b(s_next), b(std)), atol=1e-6)
     ref = torch.distributions.Normal(out.mean, b(out.std)).log_prob(out.x_next).flatten(1).mean(1)
     assert out.logp.dtype == torch.float32 and torch.allclose(out.logp, ref, atol=1e-5)
     # training: score the stored sample under v; d logp / d v = lambda (x_next - mean) / std^2 / numel

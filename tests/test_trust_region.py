@@ -72,7 +72,7 @@ def test_controller_direction_in_a_loop(lam_max):
         assert flipped.value == before
 
 
-def spec_lambdas(kls, direction=+1):
+def paper_lambdas(kls, direction=+1):
     """lambda_KL after each update, docs/method.md section 4.6 in plain Python with its literal numbers: linear
     warm-up 1e-7 -> 1e-5 over the first 100 updates, then the mean of the last 10 observed KLs vs.
     the target 1e-5: above 1.5x -> *0.9, below 0.5x -> *1.1 (direction +1; -1 swaps them), clipped
@@ -103,7 +103,7 @@ def test_controller_ends_warmup_exactly():
     # KL far above the deadband all along: a deadband update would shrink lambda, so update 100
     # (the last of the warm-up) must still give exactly lam_max, and update 101 the first * 0.9
     got = run([1e-3] * 102)
-    assert got == pytest.approx(spec_lambdas([1e-3] * 102), rel=1e-12, abs=0)
+    assert got == pytest.approx(paper_lambdas([1e-3] * 102), rel=1e-12, abs=0)
     assert got[98] == pytest.approx(1e-7 + (1e-5 - 1e-7) * 99 / 100, rel=1e-12)  # update 99
     assert got[99] == 1e-5  # update 100 = warmup: exactly lam_max
     assert got[100] == pytest.approx(0.9e-5, rel=1e-12)  # update 101: the deadband rule
@@ -135,7 +135,7 @@ def edge_kls():
 
 def test_controller_deadband_uses_the_window_mean_not_the_last_kl():
     kls, checks = edge_kls()
-    got, want = run(kls), spec_lambdas(kls)
+    got, want = run(kls), paper_lambdas(kls)
     assert got == pytest.approx(want, rel=1e-12, abs=0)
     for i, what in checks:
         assert 1e-7 < want[i - 1] < 1e-5 / 1.1  # off the clip bounds: a change would show
@@ -144,13 +144,13 @@ def test_controller_deadband_uses_the_window_mean_not_the_last_kl():
 
 
 @pytest.mark.parametrize('direction', [+1, -1])
-def test_controller_matches_spec_reference_on_random_kls(direction):
+def test_controller_matches_paper_reference_on_random_kls(direction):
     g = torch.Generator().manual_seed(direction % 7)
     # log-uniform KLs from 0.1x to 10x the target, with runs that hold the window on one side
     kls = (1e-5 * 10 ** (2 * torch.rand(600, generator=g, dtype=torch.float64) - 1)).tolist()
     kls[300:340] = [3e-5] * 40
     kls[400:460] = [1e-6] * 60
-    got, want = run(kls, direction=direction), spec_lambdas(kls, direction)
+    got, want = run(kls, direction=direction), paper_lambdas(kls, direction)
     assert got == pytest.approx(want, rel=1e-12, abs=0)
     assert len(set(want[100:])) > 20  # the rule moved lambda, not only the clip
 
