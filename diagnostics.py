@@ -42,8 +42,7 @@ class UpdateStats:
 
     def stepped(self, grad_norm, n_steps):
         """One optimizer step's gradient norm (clip_grad_norm_'s), of n_steps this iteration."""
-        n = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        self.sums['grad_norm'] += float(n) / n_steps
+        self.sums['grad_norm'] += whole(grad_norm) / n_steps
 
     def row(self, device, sp_size=1, dp_group=None):
         """The log's figures: means over the ranks (an sp group's ranks each hold the whole loss of
@@ -64,7 +63,12 @@ def grad_norm(loss, optimizers, weight):
     (loss * weight).backward()
     n = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     zero_grad(optimizers)
-    return (n.full_tensor() if isinstance(n, DTensor) else n).item()
+    return whole(n)
+
+
+def whole(norm):
+    """A gradient norm as a float: under FSDP2 a DTensor, whose value is its full tensor's."""
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 def gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary=None):

@@ -38,9 +38,7 @@ def export(src, dest, dtype=torch.bfloat16):
     ckpt = checkpoint.resolve(src)
     cfg = checkpoint.read_loop(ckpt)['config']
     policy = checkpoint.load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
-    # written beside dest and renamed into place: a crash or a kill mid-write (16.6 GB at 8.3B)
-    # leaves the previous export whole (or none), never a half-written dest
-    dest = os.path.abspath(dest)
+    dest = os.path.abspath(dest)  # written beside it, then renamed into place (the docstring)
     tmp, old = dest + '.tmp', dest + '.old'
     shutil.rmtree(tmp, ignore_errors=True)  # an export that died
     try:

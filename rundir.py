@@ -36,6 +36,7 @@ import checkpoint
 
 LOCK = '.lock'
 CONFIG = 'config.json'
+LOG = 'metrics.jsonl'
 # Settings a continued run may change: this start's own, when and how it evaluates, saves and logs
 # (evaluation reads the policy, never trains it), and how the same computation is laid out (ranks,
 # batches, device, attention kernel: the same math). Every other setting defines the run: the data,
@@ -145,7 +146,7 @@ def _plain(v):
 
 def log_rows(out_dir):
     """metrics.jsonl's rows; a line cut short by a kill mid-write (only the last can be) is left out."""
-    path = os.path.join(out_dir, 'metrics.jsonl')
+    path = os.path.join(out_dir, LOG)
     rows = []
     for line in open(path) if os.path.exists(path) else []:
         try:
@@ -161,7 +162,7 @@ class Log:
     wandb is installed. A row is an iteration's (with 'reward') or a held-out evaluation's."""
 
     def __init__(self, out_dir, master, wandb_project='', config=None):
-        self.path, self.master, self.wandb = os.path.join(out_dir, 'metrics.jsonl'), master, None
+        self.path, self.master, self.wandb = os.path.join(out_dir, LOG), master, None
         if wandb_project and master:
             try:
                 import wandb
