@@ -10,7 +10,7 @@ model), so only TA depends on the text. Normalised with the released mean/std; O
     reward_fn = load_videoalign("ckpt/VideoReward", "ckpt/Qwen2-VL-2B-Instruct", device="cuda")
     scores = reward_fn(frames, prompts, fps=24)  # frames (B, F, 3, H, W) in [0, 1]
     r = combine(scores)                          # (B,), SETTING_B weights
-    scores, g = score_and_grad(reward_fn, frames, prompts, 24)  # + d combine / d frames (credit.py)
+    scores, g = score_and_grad(reward_fn, frames, prompts, 24)  # + d combine / d frames (extras/credit.py)
 
 Facts from github.com/KwaiVGI/VideoAlign 219ab9d (inference.py, train_reward.py, trainer.py, utils.py,
 vision_process.py, prompt_template.py, train.sh; transformers 4.45.2). Knowing differences, and why:
@@ -277,6 +277,43 @@ def group_advantages(r, clip=5.0, eps=1e-6):
     return torch.where(valid & (std > eps), adv, 0.0), valid, std
 
 
+# advantage = 'per_component' | 'taros' (train.py): each component judged within its group first
+TAROS_DEADZONE = 0.5   # taros: a member's standardised component counts only beyond +-this (sparsity)
+TAROS_SATURATED = 0.5  # taros: a group's spread of a component under this fraction of the batch's is saturated
+
+
+def component_advantages(c, weights, kind, clip=5.0, eps=1e-6):
+    """Advantages (P, G) of component rewards c (P, G, K), the K components in DIMS order, one group a row
+    (docs/method.md section 4.9 argues each choice; 'taros' is our reading of an abstract, not its code):
+        z_k = (c_k - mean_k) / std_k           each component standardised within its group (population std
+                                               over the group's valid members; a flat component: 0)
+        'per_component': a = sum_k w_k z_k     (decoupled normalisation of multi-reward GRPO)
+        'taros':         a = sum_k w_k f_k soft(z_k),  soft(z) = sign(z) max(|z| - TAROS_DEADZONE, 0): a
+                         component moves only the members it clearly separates; f_k = min(1, std_k /
+                         (TAROS_SATURATED * batch std_k)): a component whose spread within the group is small
+                         against its spread over the whole batch is saturated there and counts less
+        A = a / (batch std of a), clipped to [-clip, clip].
+    A clip with a NaN component leaves its group (valid False, advantage 0), as group_advantages does, and
+    a group with fewer than 2 valid members has advantage 0. Returns (adv, valid)."""
+    w = torch.tensor(weights, dtype=c.dtype, device=c.device)  # (K,)
+    valid = ~torch.isnan(c).any(-1)  # (P, G)
+    m = valid.unsqueeze(-1)  # (P, G, 1)
+    n = m.sum(1, keepdim=True).clamp(min=1)  # (P, 1, 1)
+    mean = torch.where(m, c, 0.0).sum(1, keepdim=True) / n  # (P, 1, K)
+    std = (torch.where(m, (c - mean) ** 2, 0.0).sum(1, keepdim=True) / n).sqrt()  # (P, 1, K)
+    z = torch.where(m & (std > eps), (c - mean) / std.clamp(min=eps), 0.0)  # (P, G, K)
+    if kind == 'taros':
+        z = z.sign() * (z.abs() - TAROS_DEADZONE).clamp(min=0)
+        spread = c[valid].std(0, unbiased=False) if valid.sum() > 1 else torch.zeros_like(w)  # (K,) whole batch
+        z = z * (std / (TAROS_SATURATED * spread).clamp(min=eps)).clamp(max=1)
+    elif kind != 'per_component':
+        raise ValueError(f'unknown advantage {kind!r}')
+    a = (z * w).sum(-1)  # (P, G)
+    ok = valid & (valid.sum(1, keepdim=True) >= 2)
+    scale = a[ok].std(unbiased=False) if ok.sum() > 1 else a.new_ones(())
+    return torch.where(ok, a / scale.clamp(min=eps), 0.0).clamp(-clip, clip), valid
+
+
 def _need(path, how):  # path, or a FileNotFoundError naming it and how to obtain it
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found; get it with: {how}")
@@ -323,13 +360,14 @@ def _vision_rope_445(self, x, position_ids):
     return self.recomposition_frequencies(cos), self.recomposition_frequencies(sin)
 
 
-def load(kind, videoalign_dir, qwen_dir, device):
-    """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', the frozen VideoAlign
-    (no manifold distance: None), or 'toy', the toy world's exact reward and its distance to the
-    data manifold (toy.py)."""
-    if kind == "toy":
-        import toy
-        return toy.reward, toy.manifold_distance
+def load(kind, videoalign_dir, qwen_dir, device, world=(None, None)):
+    """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', frozen (no manifold
+    distance: None), or 'world': `world`, the model family's own exact reward and manifold distance
+    (the toy's; models/__init__.py OPTIONAL), which a real model does not have."""
+    if kind == "world":
+        if world[0] is None:
+            raise SystemExit("reward_model='world': this model has no reward of its own; use reward_model='videoalign'")
+        return world
     return load_videoalign(videoalign_dir, qwen_dir, device), None
 
 

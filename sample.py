@@ -18,10 +18,14 @@ import os
 
 import torch
 
-import checkpoint as checkpoint_lib
 import sde
-from configurator import configure, number, one_of, prompt_or_file
-from model import batch_text, encode_prompts, family, generators, latent_shape, load_decoder, load_policy, noise, \
+from reward import SETTING_B, combine, load_videoalign
+from extras import metrics
+from infra import checkpoint as checkpoint_lib
+from infra.configurator import configure, list_of, number, one_of, prompt_or_file
+from models import attention as attention_lib, family
+from models.evaluate import frame_stats
+from models.policy import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4
 
 # ----------------------------------------------------------------------------- settings
@@ -42,24 +46,23 @@ width = None
 fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24, Wan 16)
 seed = 0                        # the same seeds for every model: differences are the model's
 device = 'cpu'
-attention = 'valid_tokens'      # blocks' attention: padding left out, no mask (attention.py); 'masked_keys', 'diffusers'
+attention = 'valid_tokens'      # blocks' attention: padding left out, no mask (models/attention.py); 'masked_keys', 'diffusers'
 attention_backend = 'native'    # diffusers' attention backend: 'native' (torch SDPA), '_native_flash', 'flash', ...
 out_dir = 'samples'
-metrics_table = True            # print base vs aligned scores: the toy's reward, or VideoAlign's
+metrics_table = True            # print base vs aligned scores: the model's own reward (the toy's), or VideoAlign's
 videoalign_dir = 'weights/VideoReward'        # (real model) VideoAlign, as in train.py
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
-eval_metrics = ''               # visual metrics in the table too: 'clipscore,pickscore' (metrics.py)
+eval_metrics = ''               # visual metrics in the table too: 'clipscore,pickscore' (extras/metrics.py)
 clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
 pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
-config = configure(globals(), rules=dict(  # configurator.RULES, and what differs here: ODE sampling, eta 0
-    sampler=one_of(*sde.KINDS), eta=number(0), prompts=(prompt_or_file, 'a prompt, or a .txt/.csv file of prompts')))
+config = configure(globals(), rules={**dict(  # configurator.RULES, and what differs here: ODE sampling, eta 0
+    sampler=one_of(*sde.KINDS), eta=number(0), prompts=(prompt_or_file, 'a prompt, or a .txt/.csv file of prompts'),
+    eval_metrics=list_of(*metrics.NAMES)), **attention_lib.RULES})
 # -----------------------------------------------------------------------------
-# the model family's own defaults for what was left at None (toy.py's as config/toy.py trains it)
+# the model family's own defaults for what was left at None (the toy's as config/toy.py trains it)
 fam = family(model)
-toy_world = fam.PIPELINE == 'ToyWorld'
-if toy_world:
-    import toy
-defaults = dict(num_steps=fam.DEFAULTS['sample_steps'], num_prompts=16 if toy_world else 4, samples=2 if toy_world else 1,
+defaults = dict(num_steps=fam.DEFAULTS['sample_steps'], num_prompts=fam.DEFAULTS['sample_prompts'],
+                samples=fam.DEFAULTS['sample_seeds'],
                 **{k: fam.DEFAULTS[k] for k in ('shift', 'cfg', 'fps', 'num_frames', 'height', 'width')})
 for k, v in defaults.items():
     if globals()[k] is None:
@@ -86,8 +89,9 @@ shape = latent_shape(model, num_frames, height, width)
 sigmas = sde.sigmas(num_steps, shift)
 rows = []
 for name, ckpt in models:
-    lora_rank = checkpoint_lib.read_loop(ckpt)['config'].get('lora_rank', 0) if ckpt else 0
-    policy = load_policy(model, device, lora_rank=lora_rank, attention=attention, backend=attention_backend)
+    trained = checkpoint_lib.read_loop(ckpt)['config'] if ckpt else {}  # the run's: its weights' layout
+    policy = load_policy(model, device, lora_rank=trained.get('lora_rank', 0), attention=attention,
+                         backend=attention_backend, experts=trained.get('experts', 'both'))
     if ckpt:  # the trained weights of a sharded (DCP) checkpoint, read into one plain model
         checkpoint_lib.load_weights(ckpt, policy)
     policy.eval()
@@ -127,18 +131,15 @@ img.save(os.path.join(out_dir, 'contact_sheet.png'))
 print(f'contact sheet: {out_dir}/contact_sheet.png (per prompt: its text, then {" above ".join(n for n, _ in models)})')
 
 # ----------------------------------------------------------------------------- metrics table
-# the clips above scored by the reward (the toy's exact one, or VideoAlign) and the visual metrics,
-# base vs aligned: the first look at reward hacking (a reward that rises while CLIPScore falls)
+# the clips above scored by the reward (the model's own exact one, the toy's; or VideoAlign) and the
+# visual metrics, base vs aligned: the first look at reward hacking (a reward that rises while CLIPScore falls)
 if metrics_table:
-    from metrics import load_metrics
-    from reward import SETTING_B, combine
     try:
-        if toy_world:
-            reward_fn, manifold_distance = toy.reward, toy.manifold_distance
+        if hasattr(fam, 'reward'):
+            reward_fn, manifold_distance = fam.reward, fam.manifold_distance
         else:
-            from reward import load_videoalign
             reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
-        visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, device)
+        visual = metrics.load_metrics(eval_metrics, clip_dir, pickscore_dir, device)
     except (OSError, ValueError) as e:  # the videos and the sheet are written: say what is missing
         print(f'no metrics table: {e}')
         reward_fn = None
@@ -149,6 +150,7 @@ if metrics_table:
         if manifold_distance is not None:
             sc['manifold'] = manifold_distance(frames)
         sc.update({k: fn(frames, clip_prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
+        sc.update(frame_stats(frames))  # the alarm's weight-free watchers (models/evaluate.py)
         table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}  # over clips
         composite[name] = torch.as_tensor(sc['composite']).float()  # (B,) per clip, for the spread below
     if table:

@@ -21,7 +21,7 @@ Where this differs from the paper and why:
   the 1/(2 std^2) factor), the same density as every other kind.
 - the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
 - optional (not in the paper; TVRL's weighted_logprob): log_prob's per-element weight makes the
-  reduction a weighted mean sum(w logp)/sum(w) (credit.py); weight=None is the mean, bitwise.
+  reduction a weighted mean sum(w logp)/sum(w) (extras/credit.py); weight=None is the mean, bitwise.
 - the last CPS step (s' = 0: std 0, a deterministic step) has no log-probability (logp None) and is
   never trained; reference implementations return a finite value there (their density with its
   std-dependent terms dropped or floored) and train that step too.
@@ -33,20 +33,21 @@ Tested by: python -m pytest tests/test_sde.py (the window: tests/test_compute.py
 import math
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 KINDS = ('ode', 'dance', 'flow', 'sage', 'cps')  # sampler names
+TRAINABLE = KINDS[1:]  # the SDEs: an ODE step has no log-probability to train
 SAGE_CLAMP = 1 - 3e-3  # sage: upper end of the noise integral; u/(1-u) diverges at u = 1
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # Gaussian normalising constant per element
 
 
 def sigmas(num_steps, shift):
-    # exactly what HunyuanVideo15Pipeline hands FlowMatchEulerDiscreteScheduler: the linear grid is
-    # rounded to float32 first, then shifted in float32 numpy, then a terminal 0 is appended
-    u = np.linspace(1.0, 0.0, num_steps + 1)[:-1].astype(np.float32)  # (N,) 1 .. 1/N
+    # exactly what HunyuanVideo15Pipeline hands FlowMatchEulerDiscreteScheduler: numpy's linspace in
+    # float64 (i * (-1/N) + 1, as numpy computes it), rounded to float32, then shifted in float32
+    # (the same correctly rounded float32 operations as numpy's), then a terminal 0 is appended
+    u = (torch.arange(num_steps, dtype=torch.float64) * (-1.0 / num_steps) + 1.0).float()  # (N,) 1 .. 1/N
     s = shift * u / (1 + (shift - 1) * u)  # (N,) float32, s[0] == 1.0 exactly
-    return torch.cat([torch.from_numpy(s).float(), torch.zeros(1)])  # (N+1,)
+    return torch.cat([s, torch.zeros(1)])  # (N+1,)
 
 
 def _as_tensor(s):
@@ -115,7 +116,7 @@ class Step(NamedTuple):
 def log_prob(x_next, mean, std, weight=None):
     """(B,) float32 log-density of x_next (B, ...) under N(mean, std^2 I), std (B,) > 0: the full Gaussian
     per element, then the mean over all non-batch elements, or with weight (broadcastable to x_next,
-    >= 0, detached: credit.py) the weighted mean sum(w logp) / sum(w). weight=None is bitwise the mean."""
+    >= 0, detached: extras/credit.py) the weighted mean sum(w logp) / sum(w). weight=None is bitwise the mean."""
     sd = std.float().view(x_next.shape[0], *[1] * (x_next.dim() - 1))  # (B, 1, ...)
     logp = -(x_next.float() - mean) ** 2 / (2 * sd**2) - torch.log(sd) - LOG_SQRT_2PI  # (B, ...)
     if weight is None:

@@ -7,18 +7,19 @@ paper and the released code, each with the switch that restores it: docs/method.
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
     torchrun --nproc_per_node=8 train.py                   # HunyuanVideo 1.5 480p + VideoAlign
-    python train.py config/wan_1gpu.py                     # Wan 2.1 1.3B + VideoAlign on one GPU (wan.py)
+    python train.py config/wan_1gpu.py                     # Wan 2.1 1.3B + VideoAlign on one GPU (models/wan.py)
     python train.py config/toy.py --sampler=flow --kl_strategy=none --out_dir=out-flow  # a baseline
     python train.py config/toy.py --max_iters=80           # again: out_dir's run continues to 80
 
 One iteration: G rollouts of each prompt with the SDE, keeping every step's latent, mean and
 log-prob; rewards of the decoded clips; advantages within each group; then every trained step of
-every clip is one term of the objective (step_loss), one optimizer step per rollout batch; the
-anchor and lambda_KL move once per optimizer step. Settings are the constants below (the paper's
-released defaults); config files and --key=value override them (configurator.py). Checkpoints
-are sharded and resume at any world size (checkpoint.py); the same command continues the run in
-out_dir, and no start destroys one (rundir.py); SIGTERM saves and exits 0 at the next forward
-(preemption.py); the last checkpoint is exported as a diffusers transformer (export.py).
+every clip is one term of the objective (step_loss), one optimizer step per rollout batch; lambda_KL
+moves after each optimizer step, the anchor every anchor_every of them. Settings are the constants
+below (the paper's released defaults); config files and --key=value override them
+(infra/configurator.py). The model families and the policy are in models/, the plumbing in infra/
+(checkpoints that resume at any world size, the run directory that no start destroys, SIGTERM's
+checkpoint at the next forward, process groups and sequence parallel), the optional add-ons in
+extras/ (TVRL credit, CLIPScore/PickScore, gradient-norm diagnostics).
 """
 import json
 import os
@@ -27,34 +28,31 @@ import time
 import torch
 from tqdm import tqdm
 
-import checkpoint
-import diagnostics
-import export
-import parallel
-import prompt_cache
-import rundir
 import sde
-import sp
-from configurator import configure
-from credit import credit_map
-from equalizer import scales
-from evaluate import HeldOut
-from loss import clipped_surrogate, denominator, masked_sum
-from model import PASS_KINDS, batch_text, count_passes, family, generators, latent_shape, \
+from equalizer import MEDIANS, scales
+from reward import DIMS, combine, component_advantages, group_advantages, load as load_reward, sample_indices, \
+    score_and_grad
+from trust_region import STRATEGIES, Anchor, KLController, gaussian_kl, kl_weights
+from extras import credit as tvrl, diagnostics, metrics
+from infra import checkpoint, parallel, prompt_cache, rundir, sp
+from infra.configurator import configure, list_of, one_of
+from infra.optimizer import build as build_optimizers, zero_grad
+from infra.preemption import Preemption
+from models import attention as attention_lib, export, family
+from models.evaluate import Alarm, HeldOut
+from models.policy import PASS_KINDS, batch_text, count_passes, encode_prompts, generators, latent_shape, \
     load_decoder, load_policy, noise, sample, seed_of, transformer_config, velocity
-from optimizer import build as build_optimizers, zero_grad
-from preemption import Preemption
-from reward import combine, group_advantages, load as load_reward, sample_indices, score_and_grad
-from trust_region import Anchor, KLController, gaussian_kl, kl_weights
 
 # ----------------------------------------------------------------------------- settings
 # I/O
 out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, prompt-embedding cache
 init_from = 'auto'              # 'auto': continue out_dir's run, else a new one | 'scratch': a new
-                                # run only | 'resume': continue only (rundir.py)
+                                # run only | 'resume': continue only (infra/rundir.py)
 eval_every = 25                 # iterations between held-out evaluations (also at start and end)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
 eval_videos = 4                 # mp4 files written per evaluation
+alarm_z = 2.0                   # reward-hacking alarm: standard errors a watcher must move (models/evaluate.py)
+hack_stop = False               # True: at the alarm, checkpoint and stop (False: say so and go on)
 save_every = 50                 # iterations between checkpoints (also at the end and on SIGTERM)
 keep_checkpoints = 2            # newest checkpoints kept in out_dir
 export_dtype = 'bfloat16'       # the last checkpoint exported to out_dir/export; '' for none
@@ -73,14 +71,15 @@ height = 352                    # rollout resolution (the paper trains at 352x62
 width = 624
 fps = 24                        # frame rate of the decoded clips (the reward samples at 2 fps)
 # reward
-reward_model = 'videoalign'     # 'videoalign' (frozen, reward.py) or 'toy'
+reward_model = 'videoalign'     # 'videoalign' (frozen, reward.py) | 'world': the model directory's own
+                                # exact reward and manifold distance (the toy's, models/toy.py)
 videoalign_dir = 'weights/VideoReward'     # hf download KwaiVGI/VideoReward --local-dir ...
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'  # hf download Qwen/Qwen2-VL-2B-Instruct --local-dir ...
 reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA): Setting B, the paper's main one; A: (1, 1, 1)
-eval_metrics = 'clipscore,pickscore'  # visual metrics at held-out evaluation (metrics.py); '': none
+eval_metrics = 'clipscore,pickscore'  # visual metrics at held-out evaluation (extras/metrics.py); '': none
 clip_dir = 'weights/clip-vit-large-patch14'  # hf download openai/clip-vit-large-patch14 ...
 pickscore_dir = 'weights/PickScore_v1'       # hf download yuvalkirstain/PickScore_v1 ...
-credit = 'none'                 # 'none': a clip's tokens share its advantage; 'tvrl': credit.py
+credit = 'none'                 # 'none': a clip's tokens share its advantage; 'tvrl': extras/credit.py
 credit_granularity = 'window'   # tvrl: 'window' (a weight a latent token) or 'frame' (a frame)
 credit_window = (1, 3, 3)       # tvrl: (t, h, w) latent tokens of the smoothing box (odd)
 # sampler
@@ -100,6 +99,8 @@ sde_window = 0                  # > 0: only a random window of this many consecu
                                 # stochastic and trained (docs/method.md section 6.3)
 clip_range = 1e-4               # PPO ratio clip
 adv_clip = 5.0                  # advantages are clipped to +-adv_clip
+advantage = 'grpo'              # 'grpo': the composite standardised in its group (the paper) |
+                                # 'per_component' | 'taros': each component first (reward.component_advantages)
 equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
 updates_per_iter = 1            # optimizer steps per rollout batch
 prompt_noise = 'fresh'          # initial noise: 'fresh' per iteration | 'fixed' per prompt (released)
@@ -109,9 +110,14 @@ kl_strategy = 'dual'            # 'none' | 'fixed' | 'stepwise' | 'moving' | 'du
 anchor_every = 10               # optimizer steps between anchor refreshes (moving, dual)
 beta_pos = 1.0                  # weight of the position term KL(theta || anchor)
 beta_vel = 0.1                  # weight of the velocity term KL(theta || theta_old)
-kl_max = 1e-5                   # upper bound (and warm-up end) of the adaptive lambda_KL
+kl_init = 1e-7                  # lambda_KL at the first optimizer step, the start of its warm-up
+kl_min = 1e-7                   # lower clip of lambda_KL
+kl_max = 1e-5                   # upper clip of lambda_KL, and the end of its warm-up
+kl_warmup = 100                 # optimizer steps of linear warm-up kl_init -> kl_max (0: none)
 kl_target = 1e-5                # the controller's KL target
 kl_direction = 1                # +1: the printed rule (relax when KL is high); -1: stabilising
+kl_estimator = 'exact'          # velocity term: 'exact' Gaussian KL to the rollout's mean | 'sample': log
+                                # pi_old - log pi_theta at the rollout's own sample (released; docs/method.md 6.2)
 kl_update = 'step'              # lambda_KL's update: each optimizer step on the all-rank KL |
                                 # 'backward': each backward on the rank's own KL (released)
 # optimisation
@@ -121,20 +127,28 @@ learning_rate = 1e-5            # constant
 weight_decay = 0.01
 grad_clip = 1.0
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
+experts = 'both'                # two-expert models (Wan 2.2 A14B): which train, 'both' | 'high' | 'low'
+                                # (the other frozen: in no optimizer, anchor or checkpoint)
 gradient_checkpointing = True   # recompute block activations in backward
-attention = 'valid_tokens'      # the blocks' attention: padding left out, no mask (attention.py)
+attention = 'valid_tokens'      # the blocks' attention: padding left out, no mask (models/attention.py)
 attention_backend = 'native'    # diffusers' attention backend: 'native' (torch SDPA), '_native_flash', 'flash', ...
 device = 'cuda'                 # 'cuda' or 'cpu'
-sp_size = 1                     # ranks of a node sharing one clip's tokens (sp.py); data parallel the rest
+sp_size = 1                     # ranks of a node sharing one clip's tokens (infra/sp.py); data parallel the rest
 shard_size = 0                  # ranks a weight is sharded over, replicated over the others (HSDP,
-                                # parallel.py); 0: the ranks of one node (one node: plain FSDP)
+                                # infra/parallel.py); 0: the ranks of one node (one node: plain FSDP)
 dist_timeout = 10.0             # minutes a collective waits: a rank that died or hangs ends the job
 solo_timeout = 60.0             # minutes the ranks wait for rank 0 alone (prompt cache, export)
 seed = 0
-config = configure(globals())  # also checks each value against configurator.RULES
+config = configure(globals(), rules={**dict(  # the names each setting picks from; the rest: configurator.RULES
+    sampler=one_of(*sde.TRAINABLE), kl_strategy=one_of(*STRATEGIES), median=one_of(*MEDIANS),
+    kl_estimator=one_of('exact', 'sample'), advantage=one_of('grpo', 'per_component', 'taros'),
+    experts=one_of('both', 'high', 'low'),
+    credit_granularity=one_of(*tvrl.GRANULARITIES), eval_metrics=list_of(*metrics.NAMES)), **attention_lib.RULES,
+    ('kl_min', 'kl_init', 'kl_max'): (lambda lo, start, hi: None if lo <= start <= hi else
+                                      f'lambda_KL needs kl_min <= kl_init <= kl_max, got {lo:g}, {start:g}, {hi:g}', '')})
 # -----------------------------------------------------------------------------
 
-# distributed setup: torchrun's environment, or one plain process (parallel.py)
+# distributed setup: torchrun's environment, or one plain process (infra/parallel.py)
 ddp, rank, world, device = parallel.init(device, dist_timeout)
 master = rank == 0
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
@@ -161,26 +175,27 @@ shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): the fami
 if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
     sp.check(sp_size, transformer_config(model), shape)
 # prompt embeddings: encoded once by rank 0 with the model's own text encoders into out_dir's
-# cache (prompt_cache.py), the encoders freed before the policy loads; every rank memory-maps it
+# cache (infra/prompt_cache.py), the encoders freed before the policy loads; every rank memory-maps it
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
-                                 set(train_list) | set(eval_list) | {negative_prompt}, device, master,
-                                 solo_timeout)
-fam = family(model)  # the model family's file (hunyuan15.py, toy.py, ...): model.py's interface
+                                 set(train_list) | set(eval_list) | {negative_prompt}, encode_prompts, device,
+                                 master, solo_timeout)
+fam = family(model)  # the model family's file (models/hunyuan15.py, ...): the interface in models/__init__.py
 fsdp_mesh = parallel.fsdp_mesh(world, shard_size, device) if ddp else None  # None: flat; 2-D: HSDP
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
-                     attention=attention, backend=attention_backend, mesh=fsdp_mesh)
+                     attention=attention, backend=attention_backend, mesh=fsdp_mesh, experts=experts)
 if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards over its own mesh)
     sp.enable(policy, sp_mesh, fam.cp_plan(policy))
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
 params = [p for o in optimizers for g in o.param_groups for p in g['params']]  # FSDP2 shards
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
-controller = KLController(lam_max=kl_max, target=kl_target, direction=kl_direction)
+controller = KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target, warmup=kl_warmup,
+                          direction=kl_direction)
 kl_pos_weight, kl_vel_weight = kl_weights(kl_strategy, beta_pos, beta_vel)  # 0 where a term is off
 decode = load_decoder(model, device)
-reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_dir, device)  # frozen
+reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_dir, device,  # frozen
+                                           (getattr(fam, 'reward', None), getattr(fam, 'manifold_distance', None)))
 try:  # frozen watchers for reward hacking, scored at held-out evaluation only, on the CPU till then
-    from metrics import load_metrics, move as move_metrics
-    visual = load_metrics(eval_metrics, clip_dir, pickscore_dir, 'cpu')  # {name: score_fn}
+    visual = metrics.load_metrics(eval_metrics, clip_dir, pickscore_dir, 'cpu')  # {name: score_fn}
 except (OSError, ValueError) as e:
     raise SystemExit(f'eval_metrics: {e} (--eval_metrics= switches them off)')
 
@@ -217,23 +232,25 @@ def initial_noise(prompts, ids, gens):
 
 iter_num, opt_steps, eval_owed = 0, 0, True  # a fresh run owes the base model's evaluation
 passes = dict.fromkeys(PASS_KINDS, 0)  # transformer passes by kind, all ranks (model.count_passes)
+alarm = Alarm(alarm_z)  # compares each evaluation with the base model's (iteration 0)
 loop = checkpoint.resume(ckpts, policy, optimizers, anchor, log=quiet)  # each rank: its own slices
 if loop:
     controller.load_state_dict(loop['controller'])
     iter_num, opt_steps, passes = loop['iter_num'], loop['opt_steps'], loop.get('passes', passes)
     eval_owed = loop.get('eval_owed', False)
+    alarm.load_state_dict(loop.get('alarm', alarm.state_dict()))  # a checkpoint from before it: no base
 evaluate = HeldOut(eval_list, eval_samples, seed=seed, sigmas=sde.sigmas(eval_steps or num_steps, shift).to(device),
                    cfg=cfg, shape=shape, text_for=text_for, batch=rollout_batch, decode=decode,
                    reward_fn=reward_fn, reward_weights=reward_weights, manifold_distance=manifold_distance,
-                   visual=visual, move_visual=move_metrics, fps=fps, out_dir=out_dir, videos=eval_videos,
+                   visual=visual, move_visual=metrics.move, fps=fps, out_dir=out_dir, videos=eval_videos,
                    dp_rank=dp_rank, dp_world=dp_world, leads=rank % sp_size == 0, passes=passes,
                    preemption=preemption, device=device)
 
 
 def save_checkpoint(eval_owed=False):
-    """Collective: each rank writes its shards (checkpoint.py), rank 0 publishes atomically."""
+    """Collective: each rank writes its shards (infra/checkpoint.py), rank 0 publishes atomically."""
     loop = dict(iter_num=iter_num, opt_steps=opt_steps, world=world, passes=passes,
-                controller=controller.state_dict(), config=config, eval_owed=eval_owed)
+                controller=controller.state_dict(), config=config, eval_owed=eval_owed, alarm=alarm.state_dict())
     path = os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}')
     return checkpoint.save(path, policy, optimizers, anchor.state_dict(), loop, keep=keep_checkpoints)
 
@@ -254,14 +271,19 @@ def step_loss(clips, b, t, eq_scale, lam, denom):
     v = velocity(policy, x, s, text, cfg, text_neg)
     new = sde.step(x, v, s, s_next, sampler, eta, x_next=x_next, weight=weight)  # mean, std, logp
     ratio = torch.exp(new.logp - clips['logps'][b, t])                          # (n,)
-    policy_term = eq_scale[t] * clipped_surrogate(ratio, clips['adv'][b], clip_range)  # S_t * clip
+    adv = clips['adv'][b]                                                        # (n,)
+    # PPO's pessimistic clip: the unclipped term's gradient flows only where clipping would not make the
+    # objective more optimistic; scaled by the equalizer's S_t of each clip's step
+    policy_term = eq_scale[t] * torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
     if kl_pos_weight:
         kl_pos = gaussian_kl(new.mean, mean_anchor, new.std)          # position: to the anchor
-    if kl_vel_weight:
-        kl_vel = gaussian_kl(new.mean, clips['means'][b, t], new.std)  # velocity: to the rollout
+    if kl_vel_weight:  # velocity: to the rollout policy, exact, or the released one-sample estimate
+        kl_vel = gaussian_kl(new.mean, clips['means'][b, t], new.std) if kl_estimator == 'exact' \
+            else clips['logps'][b, t] - new.logp  # (n,) 0 in expectation at theta_old, its gradient not
     per_clip = policy_term + lam * (kl_pos_weight * kl_pos + kl_vel_weight * kl_vel)  # (n,)
-    terms = dict(policy=policy_term, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio)
-    return masked_sum(per_clip, clips['valid'][b]) / denom, terms
+    terms = dict(policy=policy_term, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv, valid=clips['valid'][b])
+    # a NaN-reward clip drops out whole; where(), not a product: 0 * NaN would leak in
+    return torch.where(clips['valid'][b] > 0, per_clip, 0.0).sum() / denom, terms
 
 
 def gradient_norms(clips, steps, eq_scale, lam):
@@ -276,17 +298,22 @@ def score(latents, prompts):
     frames = torch.cat([decode(x) for x in latents.split(rollout_batch)])  # (n, F, 3, H, W) in [0, 1]
     if credit == 'none':
         return reward_fn(frames, prompts, fps)
-    # TVRL: |d composite / d pixels| pooled onto the latent tokens (credit.py)
+    # TVRL: |d composite / d pixels| pooled onto the latent tokens (extras/credit.py)
     sc, g = score_and_grad(reward_fn, frames, prompts, fps, reward_weights)  # g (n, F, 3, H, W)
     seen = sample_indices(frames.shape[1], fps, reward_fn.sample_fps) \
-        if reward_model == 'videoalign' else None  # its 2 fps frames: credit.py interpolates the rest
-    return dict(sc, credit=credit_map(g, shape, seen, credit_window, credit_granularity))  # (n, 1, F, h, w)
+        if reward_model == 'videoalign' else None  # its 2 fps frames: tvrl interpolates the rest
+    return dict(sc, credit=tvrl.credit_map(g, shape, seen, credit_window, credit_granularity))  # (n, 1, F, h, w)
 
 
 def held_out(iter_num):
-    """Evaluate and log; a stop meanwhile checkpoints and owes this evaluation on resume."""
+    """Evaluate, watch and log; a stop meanwhile checkpoints and owes this evaluation on resume. When
+    the alarm trips, the checkpoint of the evaluation before it is pinned: no rotation removes it."""
     ev = evaluate(policy, iter_num, lambda: save_checkpoint(eval_owed=True))
-    log({'iter': iter_num, **{f'eval_{k}': v for k, v in ev.items()}})
+    watch, line = alarm(iter_num, evaluate.items)  # the same on every rank: the items are gathered
+    log({'iter': iter_num, **{f'eval_{k}': v for k, v in ev.items()}, **watch})
+    if line and master:
+        kept = checkpoint.pin(out_dir, alarm.kept, f'the last evaluation before the alarm of iteration {iter_num}')
+        print(line + (f'; {kept} is kept' if kept else '') + ('; hack_stop: stopping' if hack_stop else ''))
     return ev
 
 
@@ -298,9 +325,10 @@ log = rundir.Log(out_dir, master, wandb_project if wandb_log else '', config)  #
 first_eval = held_out(iter_num) if eval_owed else None  # the base model, or an evaluation cut short
 first_eval = first_eval if iter_num == 0 else None
 policy.train()
-# At the defaults (one optimizer step per rollout batch) theta == theta_old throughout the update:
-# the ratio is exactly 1, the clip never acts, and the velocity KL and its gradient are 0.
-# updates_per_iter > 1 makes them act (docs/method.md section 4.7).
+# At the defaults (one optimizer step per rollout batch) theta == theta_old throughout the update: the
+# ratio is 1 up to the rounding of a recomputed forward (inside clip_range 1e-4: the clip does not act),
+# and the exact velocity KL and its gradient are 0. updates_per_iter > 1 makes them act (docs/method.md
+# section 4.7).
 while iter_num < max_iters:
     t0 = time.time()
     preemption.begin(save_checkpoint, controller, passes)  # a stop saves iteration iter_num's state
@@ -314,11 +342,12 @@ while iter_num < max_iters:
         ids, ps = clip_ids[c:c + rollout_batch], prompts[c:c + rollout_batch]
         gens = generators([seed_of(seed, 'rollout', iter_num, i) for i in ids])  # the SDE's noise
         text, text_neg = text_for(ps)
-        records.append(sample(policy, initial_noise(ps, ids, gens), sigmas, text, cfg, text_neg, sampler,
-                              eta, gens, keep=True, window=steps, boundary=preemption.point)[1])
+        _, trajectory = sample(policy, initial_noise(ps, ids, gens), sigmas, text, cfg, text_neg, sampler, eta,
+                               gens, keep=True, window=steps, boundary=preemption.point)  # final latents unused
+        records.append(trajectory)  # {xs, means, logps, stds} of every step
     clips = {k: torch.cat([r[k] for r in records]) for k in records[0]}  # xs (n, N+1, C, F, h, w), ...
     clips['prompts'] = prompts
-    del records  # torch.cat copied them: one copy of the rollout lives through the update
+    del records, trajectory  # torch.cat copied them: one copy of the rollout lives through the update
     count_passes(passes, ('rollout',), device)
     t1 = time.time()
 
@@ -335,6 +364,10 @@ while iter_num < max_iters:
     # ---- advantage: over each whole group, even when it spans ranks; a NaN reward drops that clip
     r = parallel.gather(combine(scores, reward_weights).float().to(device), dp_group)
     adv, valid, std = group_advantages(r.view(prompts_per_iter, group_size), adv_clip)  # (P, G)
+    if advantage != 'grpo':  # each component judged within its group, then weighed
+        c = parallel.gather(torch.stack([scores[k] for k in DIMS], 1).float().to(device), dp_group)  # (P*G, 3)
+        adv, valid = component_advantages(c.view(prompts_per_iter, group_size, -1), reward_weights, advantage,
+                                          adv_clip)
     if not valid.any():  # a broken reward model, not a bad clip: stop before it touches the weights
         raise RuntimeError(f'iteration {iter_num + 1}: every reward is NaN; the reward model is '
                            f'failing (see its warnings above). Checkpoints in {out_dir} are untouched.')
@@ -357,8 +390,10 @@ while iter_num < max_iters:
     chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
     bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
     for chunk in chunks:  # one optimizer step each
-        zero_grad(optimizers)  # never policy.zero_grad() under FSDP2 (optimizer.py)
-        denom = denominator(valid.sum().item(), n_train, world, len(chunks))  # FSDP averages ranks
+        zero_grad(optimizers)  # never policy.zero_grad() under FSDP2 (infra/optimizer.py)
+        # the divisor that makes the sum of every micro-batch's, step's and rank's loss, after FSDP's
+        # average over ranks, the mean over valid clips x trained steps (this chunk's share of them)
+        denom = max(1.0, valid.sum().item()) * n_train / world / len(chunks)
         micro = [(chunk[i:i + train_batch], k) for i in range(0, len(chunk), train_batch)
                  for k in range(n_train)]
         kls = []
@@ -378,7 +413,8 @@ while iter_num < max_iters:
         zero_grad(optimizers)  # freed now: gradients do not live through the next rollout and eval
         opt_steps += 1
         preemption.stepped()  # the weights moved: the iteration runs to its end, then a checkpoint
-        # ---- anchor and lambda_KL: once per optimizer step, from the KL observed over all ranks
+        # ---- lambda_KL after each optimizer step, from the KL observed over all ranks; the anchor
+        # every anchor_every optimizer steps (moving, dual)
         if kl_update == 'step':
             controller.update(parallel.mean(sum(kls) / len(kls), device))
         anchor.maybe_refresh(policy, opt_steps)
@@ -405,8 +441,11 @@ while iter_num < max_iters:
         if master and last and first_eval is not None:
             print(f"eval composite before {first_eval['composite']:.4f} -> after {ev['composite']:.4f}")
     stop = preemption.requested(device)  # every rank, once per iteration: a checkpoint resumes here
-    if (save_every and iter_num % save_every == 0) or last or stop:
+    halt = hack_stop and alarm.tripped is not None
+    if (save_every and iter_num % save_every == 0) or last or stop or halt:
         save_checkpoint()
+    if halt:
+        break
     if stop:
         if master:
             print(f'preempted: checkpoint of iteration {iter_num} written; the same command continues')

@@ -9,11 +9,13 @@ Strategies: 'none' (no KL), 'fixed' (anchor = initial model), 'stepwise' (veloci
 'moving' (anchor refreshed every N optimizer steps, position term), 'dual' (both: the paper's).
 'none' and 'stepwise' need no anchor: Anchor() may be built for them but holds nothing.
 
-Where this differs from the paper and the released code (docs/method.md section 6): lambda_KL is
-updated once per optimizer step on the all-rank mean KL (train.py's kl_update='backward': the released
-cadence); the velocity term is the exact Gaussian KL, not the released sample estimate (why: section
-6.2); the controller keeps the printed direction (high KL *relaxes* the penalty), DIRECTION = -1
-gives the stabilising one.
+Where this differs from the paper and the released code (docs/method.md section 6): KLController.update
+is called by train.py once per optimizer step with the KL averaged over all ranks (kl_update='step'), where
+the released code calls it after every backward with the rank's own KL (kl_update='backward': its warm-up
+is over in ~2.5 optimizer steps and the ranks' lambdas drift apart); the velocity term is the exact Gaussian KL, not the released sample estimate (why: section
+6.2; train.py's kl_estimator='sample' restores it); the controller keeps the printed direction (high KL
+*relaxes* the penalty), DIRECTION = -1 gives the stabilising one. Its start, floor, ceiling, warm-up and
+target are train.py's settings kl_init, kl_min, kl_max, kl_warmup, kl_target (section 6.4).
 
 Tested by: python -m pytest tests/test_trust_region.py   (the FSDP2 part runs torchrun on CPU)
 """
@@ -52,19 +54,14 @@ def gaussian_kl(mean, mean_ref, std):
     return sq / (2 * std**2)
 
 
-def reshard(model):
-    # FSDP2 leaves the root's weights all-gathered after a forward (they are needed for backward),
-    # and then named_parameters() returns those full tensors. Resharding every FSDP module puts the
-    # sharded DTensors back and makes the next forward all-gather again, from what we wrote.
+def _trainable(model):
+    # the weights the optimizer moves: all of them for a full fine-tune, the adapters for LoRA (peft
+    # freezes the base; with diffusers' add_adapter, call requires_grad_(False) first). FSDP2 leaves the
+    # root's weights all-gathered after a forward; resharding every unit first returns the sharded
+    # DTensors the optimizer holds (infra/parallel.py's reshard, which this file does not import)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-def _trainable(model):
-    # the weights the optimizer moves: all of them for a full fine-tune, the adapters for LoRA
-    # (peft freezes the base; with diffusers' add_adapter, call requires_grad_(False) first)
-    reshard(model)
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 

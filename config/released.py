@@ -3,15 +3,15 @@
 # Sources: Tencent-Hunyuan/SAGE-GRPO scripts/post_train/train_grpo.sh (the launch flags: "sh"),
 # post_train.py (TrainingConfig defaults, _build_optimizer: "pt"), hyvideo/utils/grpo_utils.py
 # ("gu"), and HunyuanVideo-1.5 hyvideo/optim/muon.py; docs/method.md sections 5-6 have the reading.
-# What these settings cannot express (the NaN-reward handling, the anchor's precision, the step-wise
-# KL estimate, the 720p transformer, Muon's >2-D kernels): docs/method.md section 6.
+# What these settings cannot express (the NaN-reward handling, the anchor's precision, Muon's >2-D
+# kernels): docs/method.md section 6. The transformer is the 480p t2v one (--model), as released.
 optimizer = 'muon'              # pt use_muon=True -> muon.get_muon_optimizer (Muon 2-D, AdamW 0/1-D)
 learning_rate = 1e-5            # sh --learning_rate 1e-5; pt get_scheduler("constant")
 weight_decay = 0.01             # pt weight_decay (Muon and its AdamW part alike)
 grad_clip = 1.0                 # pt max_grad_norm
 prompts_per_iter = 2            # sh --batch_size 2 per data-parallel rank x (8 GPUs / sp 2) = 8 clips = 2 prompts x G
 group_size = 4                  # sh --num_generations 4
-sp_size = 2                     # sh --sp_size 2: 2 GPUs share each clip's tokens (sp.py), data parallel 8 / 2 = 4
+sp_size = 2                     # sh --sp_size 2: 2 GPUs share each clip's tokens (infra/sp.py), data parallel 8 / 2 = 4
 rollout_batch = 1               # one clip per forward (2 clips per pair of ranks)
 train_batch = 1                 # pt mini_batch_size_per_update 1
 max_iters = 10000               # sh --max_steps 10000 (one optimizer step per rollout batch)
@@ -31,7 +31,9 @@ kl_strategy = 'dual'            # sh --use_moving_KL True --use_dual_kl True
 anchor_every = 10               # sh --update_ref_model_step 10
 beta_pos = 1.0                  # sh --dual_kl_moving_weight 1.0
 beta_vel = 0.1                  # sh --dual_kl_step_weight 0.1
-kl_max = 1e-5                   # sh --kl_weight 1e-5 (lambda_KL's upper clip; its start, kl_coef 1e-7, is LAM_INIT)
+kl_max = 1e-5                   # sh --kl_weight 1e-5 (lambda_KL's upper clip)
+kl_init = 1e-7                  # pt kl_coef 1e-7: lambda_KL's start
+kl_estimator = 'sample'         # gu: the step-wise term 0.1 * mean(logp_old - logp_theta), a one-sample estimate
 reward_weights = (0.5, 0.5, 1.0)  # pt reward_weights {"VQ":0.5,"MQ":0.5,"TA":1.0}
 eval_every = 50                 # pt validation_interval
 save_every = 100                # pt save_interval

@@ -1,9 +1,9 @@
-# The toy world (toy.py): SAGE-GRPO end to end on a 2-core CPU in a few minutes.
+# The toy world (models/toy.py): SAGE-GRPO end to end on a 2-core CPU in a few minutes.
 #   python train.py config/toy.py
 #   torchrun --nproc_per_node=2 train.py config/toy.py     # the FSDP2 path, gloo on CPU
 # Everything not set here keeps the paper's default from the top of train.py.
 model = 'assets/toy'            # the committed, pretrained tiny HunyuanVideo15Transformer3DModel
-reward_model = 'toy'            # toy.reward: VQ, MQ, TA in [0, 1], exact
+reward_model = 'world'          # the toy world's own exact reward (models/toy.py): VQ, MQ, TA in [0, 1]
 eval_metrics = ''               # no CLIPScore/PickScore: the toy's metrics are exact; 24x24 frames mean little to CLIP
 train_prompts = 'assets/toy/train_prompts.txt'
 eval_prompts = 'assets/toy/eval_prompts.txt'
@@ -22,7 +22,7 @@ timestep_fraction = 0.5         # half of the 10 stochastic steps of each clip, 
 learning_rate = 1e-4            # a 2-layer model on a tiny world moves faster than 8.3B parameters
 optimizer = 'adamw'             # the toy's ablations ran with AdamW; Muon vs AdamW: results/ section 3 (f)
 max_iters = 40
-eval_every = 20
+eval_every = 10                  # the held-out evaluation (and the reward-hacking alarm's look) every 10 iterations
 eval_samples = 2                # 16 held-out prompts x 2 seeds
 save_every = 20
 diag_every = 3                  # not a divisor of anchor_every: right after a refresh the KL gradient is 0 by construction

@@ -48,7 +48,7 @@ from unittest import mock
 
 import torch
 
-import parallel
+from infra import parallel
 
 
 def mesh(sp_size, device):

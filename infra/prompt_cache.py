@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 
-import parallel
+from infra import parallel
 
 CHUNK = 256  # prompts encoded and written per shard file (rank 0 holds one chunk at a time)
 INDEX = 'index.json'
@@ -61,12 +61,11 @@ def key(prompt):
     return hashlib.sha256(prompt.encode('utf-8')).hexdigest()[:32]
 
 
-def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
+def build(path, model, prompts, encode_prompts, device='cpu', chunk=CHUNK):
     """Encode the prompts not yet in the cache at `path` (all, if it was built for another model).
-    encode_prompts: model.encode_prompts, or a stand-in with its signature (bench/checkpoint.py)."""
+    encode_prompts(model, prompts, device, sink, chunk): models/policy.py's, or a stand-in with its
+    signature (bench/checkpoint.py)."""
     from safetensors.torch import save_file
-    if encode_prompts is None:
-        from model import encode_prompts
     index = {}
     if os.path.exists(os.path.join(path, INDEX)):
         with open(os.path.join(path, INDEX)) as f:
@@ -96,12 +95,12 @@ def build(path, model, prompts, device='cpu', chunk=CHUNK, encode_prompts=None):
     return path
 
 
-def shared(path, model, prompts, device, master, timeout_minutes=60.0):
+def shared(path, model, prompts, encode_prompts, device, master, timeout_minutes=60.0):
     """Rank 0 builds the cache (the encoders' memory on one rank only) while the others wait on the
     c10d store for at most timeout_minutes (parallel.solo); then every rank proves it sees rank 0's
     directory (parallel.check_shared) and opens it, or every rank stops with one line. An error of
     rank 0's (e.g. a word outside the toy's vocabulary) stops every rank with the same line."""
-    parallel.solo(lambda: build(path, model, prompts, device), 'prompt_cache', timeout_minutes)
+    parallel.solo(lambda: build(path, model, prompts, encode_prompts, device), 'prompt_cache', timeout_minutes)
     parallel.check_shared(path, 'the prompt cache', master, INDEX)  # every rank reads rank 0's index
     return PromptCache(path)
 

@@ -3,8 +3,8 @@ The toy world: nanoGPT's shakespeare_char for text-to-video RL. Everything the r
 small enough that SAGE-GRPO runs end to end on a 2-core CPU in minutes, with rewards whose meaning
 is exact because the world is rendered, not filmed.
 
-    python toy.py            # pretrain the base model into assets/toy (21 min on a busy 2-core CPU), evaluate it
-    python toy.py eval       # evaluate the committed base model (the README's numbers)
+    python -m models.toy            # pretrain the base model into assets/toy (21 min on a busy 2-core CPU), evaluate it
+    python -m models.toy eval       # evaluate the committed base model (the README's numbers)
     python -m pytest tests/test_toy.py
 
 On a CPU shared with other jobs, torch.set_num_threads(1) is much faster than 2 threads fighting for
@@ -42,8 +42,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import hunyuan15  # the toy's transformer is a tiny HunyuanVideo 1.5 one: its loading and forward
-import model
+from models import hunyuan15  # the toy's transformer is a tiny HunyuanVideo 1.5 one: its loading and forward
+from models import policy
 
 # ----------------------------------------------------------------------------- settings
 DIR = 'assets/toy'              # committed base model directory (transformer/, text table, prompts)
@@ -70,7 +70,7 @@ CONFIG = dict(in_channels=2 * LATENT_SHAPE[0] + 1, out_channels=LATENT_SHAPE[0],
               attention_head_dim=32, num_layers=2, num_refiner_layers=1, mlp_ratio=4.0, patch_size=1,
               patch_size_t=1, text_embed_dim=TEXT_DIM, text_embed_2_dim=TEXT_2_DIM, image_embed_dim=12,
               rope_axes_dim=(8, 12, 12), target_size=HEIGHT, task_type='t2v')
-# pretraining (python toy.py)
+# pretraining (python -m models.toy)
 SEED = 1337                     # seeds the text table, the model init and the data stream
 STEPS = 4000                    # optimizer steps
 BATCH = 16                      # clips per step
@@ -80,7 +80,7 @@ THREADS = 1                     # CPU threads: one is reproducible anywhere and 
 TRAIN_SHIFT = 2.0               # shift of the logit-normal training sigmas (as the sampling schedule's)
 WRONG = 0.25                    # fraction of captions naming a wrong colour (half) or direction (half)
 DROP = 0.1                      # fraction of captions replaced by "" (unconditional, for CFG)
-# evaluation of the base model (python toy.py eval): ODE samples of the held-out prompts
+# evaluation of the base model (python -m models.toy eval): ODE samples of the held-out prompts
 EVAL_SEEDS = 4                  # samples per held-out prompt
 EVAL_STEPS = 16                 # Euler steps
 EVAL_SHIFT = 3.0                # sigma-schedule shift
@@ -172,7 +172,7 @@ def render(prompt, seed):
 
 # ----------------------------------------------------------------------------- text encoder
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 _table = None  # (len(VOCAB), TEXT_DIM) word embeddings, loaded lazily from DIR
 
 
@@ -359,7 +359,7 @@ def data(gen, n):
 def pretrain():
     """Rectified-flow matching: x_s = (1 - s) x0 + s noise, the model predicts v = noise - x0."""
     from safetensors.torch import save_file
-    velocity = model.velocity  # the same guided forward train.py uses
+    velocity = policy.velocity  # the same guided forward train.py uses
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(THREADS)  # a fixed count: float sums, hence the weights, depend on it
     out = os.path.join(_HERE, DIR)
@@ -419,7 +419,7 @@ def pretrain():
 def sample(net, prompts, seeds, steps=EVAL_STEPS, shift=EVAL_SHIFT, cfg=EVAL_CFG):
     """ODE (Euler) samples of the prompts, one noise seed each -> frames (B, F, 3, H, W)."""
     import sde
-    velocity = model.velocity
+    velocity = policy.velocity
     text, neg = encode_prompts(prompts), encode_prompts([''] * len(prompts))
     x = torch.stack([torch.randn(LATENT_SHAPE, generator=torch.Generator().manual_seed(s)) for s in seeds])
     sig = sde.sigmas(steps, shift)  # (steps + 1,) 1 .. 0
@@ -451,11 +451,13 @@ def summary(frames, prompts):
 
 
 # ----------------------------------------------------------------------------- the model interface
-# (stated at the top of hunyuan15.py): assets/toy/model_index.json names this file ('ToyWorld'), so
+# (models/__init__.py): assets/toy/model_index.json names this file ('ToyWorld'), so
 # --model=assets/toy runs the toy world through the same train.py and sample.py as the real models
 PIPELINE = 'ToyWorld'
 TRANSFORMER = hunyuan15.TRANSFORMER
-DEFAULTS = dict(sample_steps=10, shift=3.0, cfg=1.0, fps=FPS, negative_prompt='', num_frames=FRAMES, height=HEIGHT, width=WIDTH)
+HUB_ID = None  # committed in assets/toy: nothing to download
+DEFAULTS = dict(sample_steps=10, shift=3.0, cfg=1.0, fps=FPS, negative_prompt='', num_frames=FRAMES, height=HEIGHT, width=WIDTH,
+                sample_prompts=16, sample_seeds=2)  # sample.py: every colour x direction held out, 2 seeds
 LORA_TARGETS = hunyuan15.LORA_TARGETS
 blocks, forward, cp_plan = hunyuan15.blocks, hunyuan15.forward, hunyuan15.cp_plan
 

@@ -8,11 +8,12 @@ error that names the key, never a silent new global.
 Usage inside a script, after its settings:
     config = configure(globals())   # returns the resolved settings as a dict
 
-Then every setting is checked against RULES below, the one table of valid values (ranges, names, sizes)
-for train.py, sample.py and the benches alike, before the script loads or writes anything: a bad
-value is one line that names the setting, the value and what is allowed. A rule applies to every
-script that has a setting of that name; a script adds or narrows rules for its own settings with
-configure(globals(), rules=dict(sampler=one_of(*sde.KINDS)))  (sample.py: 'ode' too).
+Then every setting is checked against RULES below (ranges, sizes, the plumbing's own names) and the
+script's own rules, before the script loads or writes anything: a bad value is one line that names the
+setting, the value and what is allowed. A rule applies to every script that has a setting of that name.
+A setting that picks one of the method's or a model's names gets its rule from the script, which
+imports those names (this file imports nothing above infra/):
+    configure(globals(), rules=dict(sampler=one_of(*sde.KINDS), **attention.RULES))
 
 Tested by: python -m pytest tests/test_configurator.py   (every rule through the real scripts)
 """
@@ -21,16 +22,7 @@ import os
 import sys
 import types
 
-import attention
-from attention import ATTENTIONS, BACKENDS
-from credit import GRANULARITIES
-from equalizer import MEDIANS
-from metrics import NAMES as METRICS
-from optimizer import KINDS as OPTIMIZERS
-from sde import KINDS
-from trust_region import STRATEGIES
-
-SAMPLERS = tuple(k for k in KINDS if k != 'ode')  # train.py: an ODE step has no log-probability to train
+from infra.optimizer import KINDS as OPTIMIZERS
 
 
 def one_of(*choices):
@@ -68,15 +60,10 @@ _CLIPS = ((lambda v: len(v) > 0 and all(_clip(c) for c in v)),
 # ----------------------------------------------------------------------------- valid values
 # setting: (test of a value, what is allowed); None passes only where the script's default is None
 RULES = dict(
-    sampler=one_of(*SAMPLERS), kl_strategy=one_of(*STRATEGIES), optimizer=one_of(*OPTIMIZERS),
-    median=one_of(*MEDIANS), credit=one_of('none', 'tvrl'), credit_granularity=one_of(*GRANULARITIES),
+    optimizer=one_of(*OPTIMIZERS), credit=one_of('none', 'tvrl'),
     kl_update=one_of('step', 'backward'), prompt_noise=one_of('fresh', 'fixed'),
-    init_from=one_of('auto', 'scratch', 'resume'), attention=one_of(*ATTENTIONS), reward_model=one_of('videoalign', 'toy'),
-    attention_backend=((lambda v: v in BACKENDS), "a diffusers attention backend: 'native', '_native_flash', "
-                       "'_native_cudnn', '_native_efficient', '_native_math', 'flex', 'flash', '_flash_3', 'sage', "
-                       "... (attention.BACKENDS)"),
-    device=one_of('cuda', 'cpu'), export_dtype=one_of('bfloat16', 'float16', 'float32', ''),
-    eval_metrics=list_of(*METRICS), kl_direction=one_of(1, -1),
+    init_from=one_of('auto', 'scratch', 'resume'), reward_model=one_of('videoalign', 'world'),
+    device=one_of('cuda', 'cpu'), export_dtype=one_of('bfloat16', 'float16', 'float32', ''), kl_direction=one_of(1, -1),
     credit_window=((lambda v: len(v) == 3 and all(k >= 1 and k % 2 for k in v)), '3 odd sizes (t, h, w) >= 1'),
     reward_weights=((lambda v: len(v) == 3 and all(w >= 0 for w in v)), '3 weights (VQ, MQ, TA) >= 0'),
     # sampler and sizes
@@ -93,12 +80,14 @@ RULES = dict(
     rollout_batch=number(1), train_batch=number(1), updates_per_iter=number(1),
     timestep_fraction=number(0, 1, lo_open=True), clip_range=number(0, lo_open=True), adv_clip=number(0, lo_open=True),
     anchor_every=number(1), beta_pos=number(0), beta_vel=number(0), kl_max=number(0, lo_open=True),
-    kl_target=number(0, lo_open=True), learning_rate=number(0, lo_open=True), weight_decay=number(0),
+    kl_init=number(0, lo_open=True), kl_min=number(0, lo_open=True), kl_warmup=number(0, then=' (0: none)'),
+    alarm_z=number(0, lo_open=True, then=' (standard errors)'),
+    kl_target=number(0, lo_open=True), learning_rate=number(0, then=' (0: a control run, nothing moves)'), weight_decay=number(0),
     grad_clip=number(0, lo_open=True), lora_rank=number(0), max_iters=number(0),
     eval_steps=number(0, then=' (0: num_steps)'), sde_window=number(0, then=' (0: every stochastic step)'),
     sp_size=number(1),  # it must divide the world size and the heads (HunyuanVideo 1.5 16, Wan 2.1 12 or 40, the
-                        # toy's 3): train.py and sp.py check
-    shard_size=number(0, then=" (0: one node's ranks)"),  # it must divide the world size: parallel.py checks
+                        # toy's 3): train.py and infra/sp.py check
+    shard_size=number(0, then=" (0: one node's ranks)"),  # it must divide the world size: infra/parallel.py checks
     dist_timeout=number(0, lo_open=True, then=' (minutes)'),
     solo_timeout=number(0, lo_open=True, then=" (minutes)"),
     # I/O
@@ -116,7 +105,7 @@ RULES = dict(
     tr_kl_max=number(0, lo_open=True), tr_updates=number(1), match_tol=number(0, lo_open=True),
     late_iters=number(0), thresholds=((lambda v: len(v) > 0 and all(0 < t <= 2 for t in v)),
                                       "held-out composites in (0, 2] (the toy's 0.5 VQ + 0.5 MQ + TA)"),
-    processor=one_of(*ATTENTIONS), gpus=number(1), clips=number(1), gpu_gb=number(0, lo_open=True),
+    gpus=number(1), clips=number(1), gpu_gb=number(0, lo_open=True),
     tflops=number(0, lo_open=True), videoalign_params=number(0), metrics_params=number(0),
     sizes=((lambda v: len(v) > 0 and all(len(s) == 2 and all(_pixels(x) for x in s) for s in v)),
            '(height, width) pairs, each a multiple of 16'),
@@ -127,8 +116,14 @@ RULES = dict(
 
 
 def check(settings, rules=RULES, defaults=None):
-    """SystemExit with one line for the first setting whose value breaks its rule."""
+    """SystemExit with one line for the first setting whose value breaks its rule. A rule of a tuple of
+    settings, (names): test(*values) -> None or why not, checks them together."""
     for key, (test, allowed) in rules.items():
+        if isinstance(key, tuple):
+            why = test(*(settings[k] for k in key)) if all(k in settings for k in key) else None
+            if why:
+                raise SystemExit(f'config error: {why}')
+            continue
         if key not in settings or (settings[key] is None and (defaults or {}).get(key, 0) is None):
             continue
         try:
@@ -138,10 +133,6 @@ def check(settings, rules=RULES, defaults=None):
         if ok is not True:
             why = f' ({ok})' if isinstance(ok, str) else ''
             raise SystemExit(f'config error: {key} must be {allowed}, got {settings[key]!r}{why}')
-    if 'attention' in settings and 'attention_backend' in settings:  # a pair: a backend without masks
-        why = attention.check(settings['attention'], settings['attention_backend'])
-        if why:
-            raise SystemExit(f'config error: {why}')
 
 
 def _settings(g):

@@ -1,7 +1,7 @@
 """
 Reading a DCP checkpoint without running code from it: torch.distributed.checkpoint's file reader,
 its .metadata index unpickled with an allowlist of DCP's own metadata classes, and a load planner
-that refuses non-tensor entries. checkpoint.py reads every checkpoint through these (load, resume,
+that refuses non-tensor entries. infra/checkpoint.py reads every checkpoint through these (load, resume,
 load_weights, read_tensors, and damage's check of the files .metadata points into).
 
     md = Reader(path).read_metadata()   # DCP's Metadata; a crafted .metadata: UnpicklingError
@@ -13,7 +13,7 @@ Where this differs from DCP's FileSystemReader and DefaultLoadPlanner, and why:
   (module, name): no prefix and no dotted name (find_class would walk 'os.system' through a module
   DCP imports), and no function but two stand-ins of our own, for the way torch pickles a layout and
   the way some Pythons (3.11.2) pickle an enum member (getattr(EnumClass, 'NAME')).
-- nothing non-tensor is saved (checkpoint.py keeps that state in loop.json), so a non-tensor entry
+- nothing non-tensor is saved (infra/checkpoint.py keeps that state in loop.json), so a non-tensor entry
   is refused, not unpickled as DCP's planner would.
 
 Tested by: python -m pytest tests/test_checkpoint.py -k metadata

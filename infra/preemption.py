@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from checkpoint import _barrier
+from infra.checkpoint import _barrier
 
 
 class Preemption:

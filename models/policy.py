@@ -1,16 +1,13 @@
 """
-The policy, whatever the video model: the model family of a directory, FSDP2 sharding of its blocks,
-cached prompt embeddings, the classifier-free-guided velocity, the sampling loop, noise and mp4 files.
-train.py, sample.py, export.py and the benches call these; none of them names a model class.
+The policy, whatever the video model: FSDP2 sharding of its blocks, cached prompt embeddings, the
+classifier-free-guided velocity, the sampling loop, noise and mp4 files. train.py, sample.py,
+models/export.py and the benches call these; none of them names a model class.
 
 A model directory is in diffusers layout (`transformer/`, `vae/`, `text_encoder*/`, `tokenizer*/`,
-`model_index.json`). Its family, one file each with the interface stated at the top of
-hunyuan15.py, is read from `_class_name` in model_index.json:
-    HunyuanVideo15Pipeline -> hunyuan15.py     WanPipeline -> wan.py     ToyWorld -> toy.py
-A new model is one more file and one more line in FAMILIES (README, "Another model").
+`model_index.json`); its family file (models/__init__.py: the table and the interface) does what
+differs between models.
 """
 import hashlib
-import importlib
 import json
 import os
 import warnings
@@ -22,55 +19,17 @@ import torch
 import torch.distributed as dist
 
 import sde
-import sp
+from infra import sp
+from models import family, family_of
 
 # FSDP2 warns that the transformer returns a view (an in-place op on it would skip the backward
 # all-gather); velocity() only ever applies out-of-place ops to it
 warnings.filterwarnings('ignore', message='FSDP2-wrapped module .* returned a view tensor')
 
-FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy'}  # model_index.json's _class_name -> file
-
-
-def weights_missing(path, what, err, hub_id, local, hint=''):
-    """The one-line stop (SystemExit) of a family whose weights cannot be read: what, where from, and
-    the download that fixes it."""
-    return SystemExit(f'could not load the {what} from {path!r} ({type(err).__name__}: {err}).\n'
-                      f'Download the weights first, e.g.\n'
-                      f'  hf download {hub_id} --local-dir {local}\n'
-                      f'and pass --model={local}{hint}')
-
-
-def family(path):
-    """The family module of model directory `path` (see the module docstring)."""
-    index = os.path.join(path, 'model_index.json')
-    try:
-        with open(index) as f:
-            name = json.load(f)['_class_name']
-    except (OSError, ValueError, KeyError) as e:
-        hunyuan = importlib.import_module('hunyuan15')
-        raise SystemExit(f'{path!r} is not a diffusers model directory ({index}: {type(e).__name__}).\n'
-                         f'Download the weights first, e.g.\n'
-                         f'  hf download {hunyuan.HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'
-                         f'and pass --model=weights/HunyuanVideo-1.5-480p_t2v (for the toy world: --model=assets/toy).')
-    if name not in FAMILIES:
-        raise SystemExit(f'{path!r} holds a {name}; supported: {", ".join(FAMILIES)} '
-                         '(a new model family is one file: README, "Another model")')
-    return importlib.import_module(FAMILIES[name])
-
-
-def family_of(net):
-    """The family module that runs transformer `net` (by its diffusers class, FSDP2-wrapped or not)."""
-    for cls in type(net).__mro__:
-        for name in FAMILIES.values():
-            fam = importlib.import_module(name)
-            if cls.__name__ == fam.TRANSFORMER:
-                return fam
-    raise TypeError(f'no model family runs a {type(net).__name__}')
-
 
 def load_transformer(path, device='cpu', meta=False, attention=None, backend=None):
     """The transformer in float32 (the trainer's master weights); on the meta device if meta; its
-    blocks' attention (attention.py) and dispatcher backend as given, else the family's defaults."""
+    blocks' attention (models/attention.py) and dispatcher backend as given, else the family's defaults."""
     fam = family(path)
     kw = {k: v for k, v in dict(attention=attention, backend=backend).items() if v is not None}
     net = fam.load_transformer(path, meta=meta, **kw)
@@ -87,14 +46,16 @@ def transformer_config(path):
 
 
 def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base_dtype=None, attention=None,
-                backend=None, mesh=None):
+                backend=None, mesh=None, experts='both'):
     """The trainable transformer: LoRA adapters if lora_rank > 0, FSDP2-sharded per block and at
     the root when fsdp, over `mesh` (None: flat over all ranks; 2-D: HSDP, parallel.fsdp_mesh).
     Under FSDP only rank 0 reads the base model from disk; the other ranks build on the meta device
     and receive their shards by broadcast, so no process ever holds more than one full copy in host
-    memory. Trained weights are read into it afterwards (checkpoint.py).
+    memory. Trained weights are read into it afterwards (infra/checkpoint.py).
     base_dtype: of the frozen base weights of a LoRA run; default bf16 for LoRA on one GPU (8.3B:
-    17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32."""
+    17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32.
+    experts: of a two-expert model (Wan 2.2 A14B), which train: 'both', 'high' or 'low' (the other
+    frozen: requires_grad False, so the optimizer, the anchor and the checkpoints leave it out)."""
     master = not fsdp or dist.get_rank() == 0
     fam = family(path)
     net = load_transformer(path, meta=not master, attention=attention, backend=backend)
@@ -111,6 +72,11 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
         for p in net.parameters():  # peft builds adapters in the base's dtype: they (and so their
             if p.requires_grad:     # AdamW state and the anchor) stay fp32, master weights
                 p.data = p.data.float()
+    if experts != 'both':
+        if not hasattr(net, 'freeze'):
+            raise SystemExit(f"experts={experts!r}: {path!r} has one transformer; only a two-expert model "
+                             "(Wan 2.2 T2V-A14B) trains one expert of two")
+        net.freeze(experts)
     if checkpointing:
         net.enable_gradient_checkpointing()  # recompute each block's activations in backward
     if not fsdp:  # fp32 trained weights; on a GPU velocity() computes in bf16 under autocast
@@ -149,7 +115,7 @@ def shard(net, blocks, cuda, mesh=None):
 def encode_prompts(path, prompts, device='cpu', sink=None, chunk=256):
     """{prompt: (embeds, mask, ...)} on the CPU, each pair trimmed to its valid tokens (at least one),
     with the family's own text encoders. With sink, each chunk of prompts is handed to sink(dict) as
-    soon as it is encoded and dropped (prompt_cache.py writes it to disk): host memory holds one
+    soon as it is encoded and dropped (infra/prompt_cache.py writes it to disk): host memory holds one
     chunk, not the prompt set."""
     prompts = sorted(set(prompts))
     cache = {}
@@ -219,16 +185,22 @@ def count_passes(totals, kinds, device='cpu'):
 
 def velocity(net, x, s, text, cfg=1.0, text_neg=None):
     """Guided velocity v = v_u + cfg * (v_c - v_u), both branches in one batched forward.
-    x: (B, C, F, h, w) float32, s: (B,) sigmas, text/text_neg: batch_text() outputs."""
+    x: (B, C, F, h, w) float32, s: (B,) sigmas, text/text_neg: batch_text() outputs. A family with
+    guidance() (models/__init__.py OPTIONAL) scales each sample by its own: Wan 2.2 A14B's expert's."""
     B = x.shape[0]
-    if cfg != 1.0:
+    fam = family_of(net)
+    if hasattr(fam, 'guidance'):
+        cfg = fam.guidance(net, s, cfg)  # a number, or (B,)
+        if torch.is_tensor(cfg):
+            cfg = cfg.view(-1, *[1] * (x.dim() - 1)) if (cfg != 1.0).any() else 1.0
+    if torch.is_tensor(cfg) or cfg != 1.0:
         x, s = torch.cat([x, x]), torch.cat([s, s])
         text = _cat_text(text, text_neg)
     PASSES[torch.is_grad_enabled()] += x.shape[0] * sp.leads_group(net)  # clips x CFG branches, once per sp group
     with torch.autocast('cuda', torch.bfloat16, enabled=x.is_cuda):  # bf16 compute on GPUs
-        v = family_of(net).forward(net, x, s, text)
+        v = fam.forward(net, x, s, text)
     v = v.float()  # the SDE step and its log-prob run in float32
-    if cfg == 1.0:
+    if not torch.is_tensor(cfg) and cfg == 1.0:
         return v
     v_cond, v_uncond = v[:B], v[B:]
     return v_uncond + cfg * (v_cond - v_uncond)

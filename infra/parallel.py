@@ -9,7 +9,7 @@ rank 0's directories, rank 0's solo phases, and the two collectives train.py's l
                                                   # 64 GPUs on 8 nodes (docs/multinode.md)
 
 Layout: torchrun numbers a node's ranks consecutively. world = data parallel x sequence parallel;
-an sp group is sp_size consecutive ranks inside one node holding the same clips (sp.py), the
+an sp group is sp_size consecutive ranks inside one node holding the same clips (infra/sp.py), the
 data-parallel rank is rank // sp_size. FSDP2 shards every weight over shard_size consecutive ranks
 and replicates it over the world / shard_size groups (HSDP, a 2-D mesh: docs/method.md section
 10.2); the default is one node's ranks, so a micro-step's all-gathers and reduce-scatters stay on
@@ -243,6 +243,16 @@ def solo(fn, name, timeout_minutes):
     if error:
         raise SystemExit(error)
     return None
+
+
+def reshard(model):
+    """Put FSDP2's sharded weights back in every unit. FSDP2 leaves the root's weights all-gathered after
+    a forward (backward needs them), and named_parameters() then returns those full tensors; resharded,
+    the next forward all-gathers again, from what was written into the shards."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def gather(t, group=None):

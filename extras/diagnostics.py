@@ -20,8 +20,8 @@ Tested by: python -m pytest tests/test_train_ranks.py (the same figures on 2 ran
 import torch
 from torch.distributed.tensor import DTensor
 
-import parallel
-from optimizer import zero_grad
+from infra import parallel
+from infra.optimizer import zero_grad
 
 
 class UpdateStats:

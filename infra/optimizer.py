@@ -40,7 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from trust_region import reshard
+from infra.parallel import reshard
 
 KINDS = ('muon', 'adamw')  # the `optimizer` setting of train.py
 MOMENTUM = 0.95            # Muon's Nesterov momentum (released default)

@@ -1,6 +1,6 @@
 """
 The blocks' attention, whatever the model family: which tokens take part, which kernel computes it,
-and the Ulysses all-to-all of sequence parallel. A family file (hunyuan15.py) builds its blocks'
+and the Ulysses all-to-all of sequence parallel. A family file (models/hunyuan15.py) builds its blocks'
 processors from these pieces; train.py and sample.py choose with two settings:
 
     python train.py config/toy.py --attention=masked_keys --attention_backend=_native_math
@@ -34,7 +34,7 @@ results/attention_flops.md):
 The valid lengths are read from the block's text mask once per forward (valid_lengths: one
 device-to-host copy; every block and the checkpointed recomputation get the same mask tensor).
 
-Sequence parallel (sp.py): valid_tokens does Ulysses itself (gather_tokens, scatter_tokens:
+Sequence parallel (infra/sp.py): valid_tokens does Ulysses itself (gather_tokens, scatter_tokens:
 torch.distributed.nn.functional's differentiable all_to_all), so the padding that makes the text split
 evenly over the ranks is dropped like any padding, and the backward is the backend's own (no
 recompute; diffusers' NATIVE Ulysses recomputes the attention forward in its backward).
@@ -46,12 +46,14 @@ only: no CPU backward). Untested
 (they need a GPU or packages absent here): _native_cudnn, _native_efficient, flash and every other
 flash-attn, sage, xformers, npu and xla backend; bench/attention.py --gpu times and checks those a GPU has.
 
-Wan (wan.py): its processor has no mask (no padding among the video tokens; the cross-attention
+Wan (models/wan.py): its processor has no mask (no padding among the video tokens; the cross-attention
 attends to all 512 text tokens, zeros included, as WanPipeline does), so all three values run it as
 shipped, on attention_backend's kernel, and sequence parallel takes diffusers' own Ulysses.
 Tested by: python -m pytest tests/test_attention.py tests/test_sp.py
 """
 import torch
+
+from infra.configurator import one_of
 
 ATTENTIONS = ('valid_tokens', 'masked_keys', 'diffusers')  # the `attention` setting; the first is the default
 # diffusers 0.42's AttentionBackendName values (tests/test_attention.py checks them against diffusers)
@@ -75,6 +77,14 @@ def check(kind, backend):
     if kind == 'diffusers' and backend == 'xformers':  # reads diffusers' 4-D boolean mask as a 0/1 bias
         return "attention_backend 'xformers' misreads diffusers' (B, 1, S, S) mask: use attention='masked_keys'"
     return None
+
+
+# the settings' rules (infra/configurator.py): the names, and the pair checked together
+RULES = {'attention': one_of(*ATTENTIONS),
+         'attention_backend': ((lambda v: v in BACKENDS), "a diffusers attention backend: 'native', '_native_flash', "
+                               "'_native_cudnn', '_native_efficient', '_native_math', 'flex', 'flash', '_flash_3', "
+                               "'sage', ... (models/attention.py BACKENDS)"),
+         ('attention', 'attention_backend'): (check, 'a pair that can run')}
 
 
 def backend(name):

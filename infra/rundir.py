@@ -32,7 +32,7 @@ import time
 
 import torch.distributed as dist
 
-import checkpoint
+from infra import checkpoint
 
 LOCK = '.lock'
 CONFIG = 'config.json'
@@ -182,7 +182,8 @@ class Log:
     @staticmethod
     def line(r):
         if 'reward' not in r:  # a held-out evaluation: every mean
-            return f"eval iter {r['iter']}: " + ' '.join(f'{k[5:]} {v:.4f}' for k, v in r.items() if k != 'iter')
+            return (f"eval iter {r['iter']}: " + ' '.join(f'{k[5:]} {v:.4f}' for k, v in r.items() if k.startswith('eval_'))
+                    + (f" (beyond their noise: {', '.join(r['watch_flagged'])})" if r.get('watch_flagged') else ''))
         return (f"iter {r['iter']}: reward {r['reward']:.4f} (VQ {r['VQ']:.3f} MQ {r['MQ']:.3f} TA {r['TA']:.3f}) "
                 f"std {r['group_std']:.3f} kl {r['kl_pos']:.2e}/{r['kl_vel']:.2e} lam {r['lambda_kl']:.1e} "
                 f"gnorm {r['grad_norm']:.3f} time {r['t_rollout']:.1f}/{r['t_reward']:.1f}/{r['t_update']:.1f}s")

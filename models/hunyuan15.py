@@ -1,20 +1,7 @@
 """
-HunyuanVideo 1.5 (diffusers' HunyuanVideo15Pipeline) behind the model interface of model.py.
+HunyuanVideo 1.5 (diffusers' HunyuanVideo15Pipeline) behind the model interface (models/__init__.py).
 
     torchrun --nproc_per_node=8 train.py --model=weights/HunyuanVideo-1.5-480p_t2v
-
-The interface, which every model family file provides (model.py picks the file from the
-`_class_name` of the model directory's model_index.json):
-    PIPELINE, TRANSFORMER       the diffusers pipeline and transformer class names
-    HUB_ID, DEFAULTS            where to download it; shift, cfg, fps, negative prompt, clip size
-    LORA_TARGETS                the modules LoRA adapts
-    load_transformer(path, meta, attention, backend)   float32 transformer, its blocks' attention set
-    blocks(transformer)         the FSDP and gradient-checkpointing units
-    text_encoder(path, device)  encode(prompts) -> [embeds, mask, ...] pairs, batch first
-    forward(transformer, x, s, text)          the velocity (B, C, F, h, w) for latents x at sigmas s
-    load_decoder(path, device)  decode(latents) -> frames (B, F, 3, H, W) in [0, 1]
-    latent_shape(path, num_frames, height, width) -> (C, F, h, w)
-    cp_plan(transformer)        where sequence parallel splits and gathers (sp.enable)
 
 HunyuanVideo 1.5 specifics (docs/method.md section 7): two text encoders, Qwen2.5-VL (embeds, mask)
 and ByT5 for quoted text (embeds_2, mask_2); the transformer input is [latents, zeros, zero mask]
@@ -36,15 +23,16 @@ Tested by: python -m pytest tests/test_model.py tests/test_attention.py tests/te
 import torch
 import torch.nn.functional as F
 
-import sp
-from model import weights_missing
-from attention import (ATTENTIONS, attend, backend as dispatcher_backend, check, gather_tokens, key_mask,
+from infra import sp
+from models import weights_missing
+from models.attention import (ATTENTIONS, attend, backend as dispatcher_backend, check, gather_tokens, key_mask,
                        scatter_tokens, ulysses_group, ulysses_refuses, valid_lengths)
 
 PIPELINE = 'HunyuanVideo15Pipeline'
 TRANSFORMER = 'HunyuanVideo15Transformer3DModel'
 HUB_ID = 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'
-DEFAULTS = dict(sample_steps=50, shift=5.0, cfg=6.0, fps=24, negative_prompt='', num_frames=81, height=480, width=848)
+DEFAULTS = dict(sample_steps=50, shift=5.0, cfg=6.0, fps=24, negative_prompt='', num_frames=81, height=480, width=848,
+                sample_prompts=4, sample_seeds=1)  # sample.py: prompts spread over its file, seeds each
 LORA_TARGETS = ['to_q', 'to_k', 'to_v', 'to_out.0']  # attention projections of every block
 IMAGE_TOKENS = 1  # t2v image tokens are all-zero and masked out, so their count (729 in the
                   # pipeline) does not change the output (tests/test_model.py checks it); 1 is cheapest
@@ -152,7 +140,7 @@ def cp_plan(net):
     (diffusers 0.42 ships no _cp_plan for this class). ValidTokensAttention reads the whole text mask
     (the valid lengths) and does Ulysses itself; MaskedKeysAttention gets every block's text mask split
     too, for diffusers' Ulysses, which all-gathers it with the keys. diffusers' own processor cannot
-    compose (sp.py): it is replaced by MaskedKeysAttention, its backend kept."""
+    compose (infra/sp.py): it is replaced by MaskedKeysAttention, its backend kept."""
     from diffusers.models._modeling_parallel import ContextParallelInput as In, ContextParallelOutput as Out
     proc = net.transformer_blocks[0].attn.processor
     if not isinstance(proc, (ValidTokensAttention, MaskedKeysAttention)):
@@ -212,7 +200,7 @@ class ValidTokensAttention:
     """diffusers 0.42's HunyuanVideo15AttnProcessor2_0 over each sample's valid tokens alone, with no
     mask: the video tokens and the first n_b text tokens of sample b (diffusers' forward orders each
     sample's text valid first: image, ByT5, Qwen, then the padding), n_b from the (B, T) text mask once
-    per forward (attention.valid_lengths). Under sequence parallel (sp.py) it does Ulysses itself: the
+    per forward (attention.valid_lengths). Under sequence parallel (infra/sp.py) it does Ulysses itself: the
     all-to-all gathers every rank's video, then every rank's text, so the valid tokens are a prefix
     again and the padding that splits the text evenly is dropped like any padding."""
     backend = None  # the dispatcher backend (attention.BACKENDS). Not `_attention_backend`: diffusers'
@@ -240,7 +228,7 @@ class MaskedKeysAttention:
     """diffusers 0.42's HunyuanVideo15AttnProcessor2_0 with the padding excluded as keys only: a key
     mask in the form the backend reads right (attention.key_mask; (B, 1, 1, S) but for xformers), a
     broadcast bias of O(S) memory, where diffusers' (B, 1, S, S) mask becomes an (S, S) bf16 bias per
-    sequence (~29 GB for 8 sequences at 480p). Composes with diffusers' context parallelism (sp.py):
+    sequence (~29 GB for 8 sequences at 480p). Composes with diffusers' context parallelism (infra/sp.py):
     its Ulysses all-gathers the key mask in the same rank order as the keys."""
     _attention_backend = None  # diffusers' dispatcher settings (attention_backend, context parallel)
     _parallel_config = None
@@ -259,7 +247,7 @@ class MaskedKeysAttention:
 
 
 def set_attention(net, kind, backend='native'):
-    """The attention of every transformer block (attention.py): 'valid_tokens' (the default),
+    """The attention of every transformer block (models/attention.py): 'valid_tokens' (the default),
     'masked_keys', or 'diffusers' (its own HunyuanVideo15AttnProcessor2_0, with the (B, 1, S, S) mask),
     computed by the dispatcher backend `backend`. The token refiner's attention (over the <= 1000
     Qwen tokens alone) stays diffusers'."""

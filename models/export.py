@@ -4,8 +4,8 @@ A checkpoint as a diffusers transformer directory: the model family's transforme
 is merged into the base weights, and the adapter alone is written to dest/lora (diffusers'
 save_lora_adapter). train.py exports its last checkpoint to out_dir/export (export_dtype).
 
-    python export.py out-toy out-toy/export              # the newest intact checkpoint of a run
-    python export.py out-toy/ckpt_000020 DEST --dtype=float32
+    python -m models.export out-toy out-toy/export              # the newest intact checkpoint of a run
+    python -m models.export out-toy/ckpt_000020 DEST --dtype=float32
 
 Where this differs from a plain save_pretrained of the trained policy, and why:
 - written beside dest (dest.tmp) and renamed into place: a crash or a kill mid-write (16.6 GB at
@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-import checkpoint
-from model import load_policy
+from infra import checkpoint
+from models.policy import load_policy
 
 SHARD = '5GB'                   # max_shard_size of the exported safetensors files
 
@@ -33,11 +33,14 @@ SHARD = '5GB'                   # max_shard_size of the exported safetensors fil
 def export(src, dest, dtype=torch.bfloat16):
     """Checkpoint (or out_dir's newest) -> a diffusers transformer directory at dest: the model
     family's transformer class loads it (from_pretrained(dest)). LoRA runs: merged into the
-    base weights, and the adapter alone in dest/lora (diffusers' save_lora_adapter)."""
+    base weights, and the adapter alone in dest/lora (diffusers' save_lora_adapter). Two experts
+    (Wan 2.2 A14B): dest/transformer and dest/transformer_2, the pipeline's layout (from_pretrained(dest,
+    subfolder=...)); an expert the run kept frozen is written as the base model has it."""
     from diffusers.utils import logging
     ckpt = checkpoint.resolve(src)
     cfg = checkpoint.read_loop(ckpt)['config']
-    policy = checkpoint.load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank']))
+    policy = checkpoint.load_weights(ckpt, load_policy(cfg['model'], 'cpu', lora_rank=cfg['lora_rank'],
+                                                       experts=cfg.get('experts', 'both')))
     dest = os.path.abspath(dest)  # written beside it, then renamed into place (the docstring)
     tmp, old = dest + '.tmp', dest + '.old'
     shutil.rmtree(tmp, ignore_errors=True)  # an export that died
@@ -63,7 +66,7 @@ if __name__ == '__main__':
     args = [a for a in sys.argv[1:] if not a.startswith('--')]
     opts = dict(a[2:].split('=', 1) for a in sys.argv[1:] if a.startswith('--') and '=' in a)
     if len(args) != 2:
-        raise SystemExit('usage: python export.py OUT_DIR_OR_CKPT DEST [--dtype=bfloat16|float32]')
+        raise SystemExit('usage: python -m models.export OUT_DIR_OR_CKPT DEST [--dtype=bfloat16|float32]')
     dt = getattr(torch, opts.get('dtype', 'bfloat16'), None)
     if not isinstance(dt, torch.dtype):
         raise SystemExit(f'--dtype must be a torch dtype such as bfloat16 or float32, got {opts["dtype"]!r}')

@@ -1,6 +1,6 @@
 """
 Training state that scales with the model: sharded checkpoints with torch.distributed.checkpoint
-(DCP), read through dcp_reader.py; export.py turns one into a diffusers transformer directory.
+(DCP), read through infra/dcp_reader.py; models/export.py turns one into a diffusers transformer directory.
 
     <out_dir>/ckpt_000050/            one checkpoint = one DCP directory
         __0_0.distcp, __1_0.distcp    each rank's own shards: trainable weights, optimizer state, anchor
@@ -27,13 +27,13 @@ Where this differs from a plain dcp.save of everything, and why:
   projection, come from the base model): an 8.3B LoRA checkpoint is megabytes.
 - non-tensor state (optimizer hyperparameters, the controller) goes to loop.json, not into DCP,
   which would pickle it and unpickle it with weights_only=False; DCP's own .metadata index is read
-  with an unpickler that admits only DCP's metadata classes (dcp_reader.py).
+  with an unpickler that admits only DCP's metadata classes (infra/dcp_reader.py).
 - a weight that never got a gradient has no AdamW state in the saved run, but the load template
   has one (the state is initialised with a zero-gradient, zero-lr step, one parameter at a time);
   it is left as initialised: a weight without gradient is never updated, so resume stays bitwise
   exact.
 
-Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py (preemption.py: tests/test_preemption.py)
+Tested by: python -m pytest tests/test_checkpoint.py tests/test_train.py (infra/preemption.py: tests/test_preemption.py)
 """
 import contextlib
 import json
@@ -51,14 +51,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
     get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
-from dcp_reader import Planner, Reader  # DCP's reader, without pickle's reach
-from trust_region import reshard  # FSDP2's kept-gathered root weights, sharded back
+from infra.dcp_reader import Planner, Reader  # DCP's reader, without pickle's reach
+from infra.parallel import reshard  # FSDP2's kept-gathered root weights, sharded back
 
 # DCP works without a process group too (one process); it warns that it assumes so
 warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavailable or uninitialized')
 
 LOOP = 'loop.json'              # the small state beside the shards
 PREFIX = 'ckpt_'                # checkpoint directories are PREFIX + iteration, zero-padded
+PINNED = 'pinned'               # a file in a checkpoint that no rotation removes (pin); it says why
 
 
 def _master():
@@ -110,7 +111,7 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
     them by name at the reported size and checks that they are every file DCP's .metadata refers to;
     else every rank stops with one line, removing what it wrote, and the last published checkpoint
     stays. A path this process already published or resumed from holds this very state (a preemption
-    right after a save or a resume: nothing has stepped since, see preemption.py): it is not rewritten
+    right after a save or a resume: nothing has stepped since, see infra/preemption.py): it is not rewritten
     (its loop.json may owe an evaluation that has run since: it runs again, logged once)."""
     out_dir, name = os.path.split(os.path.abspath(path))
     if os.path.join(out_dir, name) in _published:  # the same on every rank: no collective needed
@@ -160,7 +161,8 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
         # rotation by iteration among those up to this one, which stays (so `latest` names one
         # that exists); a later one (damaged: the run resumed before it) stays until its
         # iteration is saved again
-        older = [d for d in found(out_dir) if _iteration(d) < _iteration(name)]
+        older = [d for d in found(out_dir) if _iteration(d) < _iteration(name)
+                 and not os.path.exists(os.path.join(out_dir, d, PINNED))]
         for d in older[:max(0, len(older) - (keep - 1))]:
             shutil.rmtree(os.path.join(out_dir, d))
     _barrier()  # every rank returns once the checkpoint is published
@@ -202,6 +204,17 @@ def _writer_rank(f):
 
 
 _published = set()  # checkpoint paths this process wrote or resumed from (see save)
+
+
+def pin(out_dir, iteration, why):
+    """Rank 0: keep the newest checkpoint of out_dir at or before `iteration` through every rotation (a
+    file PINNED in it says why); its name, or None if there is none."""
+    ckpts = [d for d in found(out_dir) if iteration is not None and _iteration(d) <= iteration]
+    if not ckpts:
+        return None
+    with open(os.path.join(out_dir, ckpts[-1], PINNED), 'w') as f:
+        f.write(why + '\n')
+    return ckpts[-1]
 
 
 def _is_ckpt(d):

@@ -1,0 +1,9 @@
+# The flow baseline as the SAGE-GRPO paper's Table 2 trains it: Flow-GRPO (arXiv 2505.05470)'s sampler, GRPO with
+# neither the temporal gradient equalizer nor a KL term. Its "with fixed KL" row adds config/fixed_kl.py.
+#   torchrun --nproc_per_node=8 train.py config/flow.py                       # Setting B
+#   torchrun --nproc_per_node=8 train.py config/flow.py config/fixed_kl.py    # with its fixed KL
+#   python train.py config/toy.py config/flow.py --reward_weights="(1.0, 1.0, 1.0)"   # the toy, Setting A
+# The noise scale stays at the reference's eta 0.5 (docs/method.md section 6.5).
+sampler = 'flow'
+equalizer = False               # S_t is SAGE-GRPO's
+kl_strategy = 'none'
