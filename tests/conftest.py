@@ -27,7 +27,7 @@ def no_process_group_left():
 def passes_from_zero():
     # model.PASSES counts this process's transformer passes between two count_passes calls; a test
     # that runs forwards in this process must not leave its count to the next (a process starts at 0)
-    import model
+    from models import policy as model
     model.PASSES[:] = [0, 0]
     yield
 
@@ -35,9 +35,9 @@ def passes_from_zero():
 # The slowest files first (seconds on 2 cores, measured with --durations=0): pytest-xdist's
 # --dist loadfile hands out whole files in collection order, so a long file collected last would
 # run alone at the end while the other worker idles. Longest first keeps the two workers even.
-SLOW_FIRST = ('test_train.py', 'test_preemption.py', 'test_checkpoint.py', 'test_wan.py',
-              'test_nodes.py', 'test_train_ranks.py', 'test_compute.py', 'test_credit_train.py',
-              'test_learning.py', 'test_sp.py', 'test_rundir.py', 'test_fullsize.py', 'test_sample.py')
+SLOW_FIRST = ('test_train.py', 'test_preemption.py', 'test_checkpoint.py', 'test_wan.py', 'test_train_ranks.py',
+              'test_nodes.py', 'test_wan22.py', 'test_compute.py', 'test_credit_train.py', 'test_learning.py',
+              'test_sp.py', 'test_alarm.py', 'test_rundir.py', 'test_fullsize.py', 'test_sample.py')
 
 
 def pytest_collection_modifyitems(items):

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from optimizer import ADAMW_BETAS, ADAMW_EPS, ADJUST_LR, MOMENTUM, build  # noqa: E402
+from infra.optimizer import ADAMW_BETAS, ADAMW_EPS, ADJUST_LR, MOMENTUM, build  # noqa: E402
 
 DIM = 16  # rows split 8 + 8 over 2 ranks; the head's 5 rows split 3 + 2 (an uneven shard)
 LR = 1e-2  # large enough that two steps move every weight well above float noise

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import model as M  # noqa: E402
-import sp  # noqa: E402
+from models import policy as M  # noqa: E402
+from infra import sp  # noqa: E402
 
 
 def main(path, inputs, out):

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-import sp  # noqa: E402
-from model import family_of, load_transformer, velocity  # noqa: E402
+from infra import sp  # noqa: E402
+from models.policy import family_of, load_transformer, velocity  # noqa: E402
 
 
 def main(path, inputs, out):

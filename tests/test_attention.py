@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import attention
-import hunyuan15
-import model
+from models import attention
+from models import hunyuan15
+from models import policy as model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_hunyuan import make_tiny_hunyuan  # noqa: E402
@@ -254,7 +254,7 @@ def test_model_output_equals_diffusers_each_branch(root, cache, image_tokens):
 
 
 def test_switches_one_line(root):
-    from configurator import configure
+    from infra.configurator import configure
     with pytest.raises(SystemExit, match='attention must be one of'):
         model.load_transformer(root, attention='flash')
     with pytest.raises(SystemExit, match="attention_backend 'flash' cannot run here"):  # flash-attn absent
@@ -265,6 +265,22 @@ def test_switches_one_line(root):
         hunyuan15.cp_plan(net(root, 'masked_keys', '_native_math'))
     assert 'transformer_blocks.*' not in hunyuan15.cp_plan(net(root, 'valid_tokens', '_native_math'))
     g = dict(attention='valid_tokens', attention_backend='native')
-    configure(dict(g), ['--attention_backend=_native_flash'])  # no mask: fine without one
+    configure(dict(g), ['--attention_backend=_native_flash'], rules=attention.RULES)  # no mask: fine without one
     with pytest.raises(SystemExit, match=r"^config error: attention_backend '_native_flash' takes no mask"):
-        configure(dict(g), ['--attention=masked_keys', '--attention_backend=_native_flash'])
+        configure(dict(g), ['--attention=masked_keys', '--attention_backend=_native_flash'], rules=attention.RULES)
+
+
+def test_attend_one_shared_short_length_drops_the_padding():
+    """attend() with every sample at the same short length (one run, shorter than S): each sample
+    attends over its valid tokens alone, the padding neither as keys nor as output (0 there), as
+    plain softmax attention over the prefix computes it; and the full-length batch is plain attention."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 7, 2, 4) for _ in range(3))  # (B, S, heads, d)
+
+    def ref(L):  # softmax(q k^T / sqrt(d)) v over the first L tokens, written out
+        w = torch.einsum('bqhd,bkhd->bhqk', q[:, :L], k[:, :L]) / 4 ** 0.5
+        return torch.einsum('bhqk,bkhd->bqhd', w.softmax(-1), v[:, :L])
+    got = attention.attend(q, k, v, [4, 4])
+    torch.testing.assert_close(got[:, :4], ref(4))
+    assert got[:, 4:].eq(0).all()
+    torch.testing.assert_close(attention.attend(q, k, v, [7, 7]), ref(7))

@@ -2,7 +2,7 @@
 bench/toy.py --quick end to end (~100 s of CPU; its 4 train.py runs evaluate 4 held-out prompts x 1
 seed): every section runs in its reduced form and writes finite numbers, the Markdown tables and (with
 matplotlib) the plots. Marked slow: the suite (CI, 10 minutes on 2 cores) leaves it out; run it
-after changing bench/toy.py or bench/common.py:
+after changing bench/toy.py, bench/toy_*.py or bench/common.py (.ci/run runs it):
 
     python -m pytest -m slow tests/test_bench.py
 """
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # ~2 min: not in the suite (pytest.ini)
+pytestmark = pytest.mark.slow  # ~2 min: not in the README's command (pytest.ini); .ci/run runs it
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

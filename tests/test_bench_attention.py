@@ -8,7 +8,7 @@ from bench import attention as ba
 
 
 def test_flop_count_is_the_closed_form():
-    # bench.fullsize's tiny block (2 heads x 8), 72 video tokens, a CFG pair of 8 + 4 and 3 + 0 valid
+    # bench.fullsize_gpu's tiny block (2 heads x 8), 72 video tokens, a CFG pair of 8 + 4 and 3 + 0 valid
     # text tokens padded to T = 8 + 4 + 1 (the masked image token): masked keys attend over all
     # S = V + T tokens per sample, valid tokens over V + 12 and V + 3
     heads, d, V, T = 2, 8, 72, 13

@@ -31,9 +31,9 @@ import torch
 
 from test_train import ROOT, SMALL, check_run, export_matches_policy, metrics, run, run_here, train_in_process, weights
 
-import checkpoint
-import dcp_reader
-import export
+from infra import checkpoint
+from infra import dcp_reader
+from models import export
 
 
 def start(args, out, torchrun=False):
@@ -169,12 +169,12 @@ def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path, monkeypatch):
 
 
 def test_prompt_cache_reads_back_what_was_encoded(tmp_path):
-    import model as M
-    import prompt_cache
-    import toy
+    from models import policy as M
+    from infra import prompt_cache
+    from models import toy
     prompts = toy.all_prompts()[:10] + ['']
-    path = prompt_cache.build(str(tmp_path / 'pc'), toy.DIR, prompts[:6], chunk=4)  # two shards
-    path = prompt_cache.build(path, toy.DIR, prompts, chunk=4)                      # extended: +2 shards
+    path = prompt_cache.build(str(tmp_path / 'pc'), toy.DIR, prompts[:6], M.encode_prompts, chunk=4)  # two shards
+    path = prompt_cache.build(path, toy.DIR, prompts, M.encode_prompts, chunk=4)                      # extended: +2 shards
     cache, ref = prompt_cache.PromptCache(path), M.encode_prompts(toy.DIR, prompts)
     assert len(cache) == len(prompts) and len([f for f in os.listdir(path) if f.endswith('.safetensors')]) == 4
     for p in prompts:
@@ -189,9 +189,9 @@ def test_prompt_cache_rebuilt_for_another_text_encoder(tmp_path):
     was; back to the toy, the toy's again. The reference is model.encode_prompts of each model.
     Fails if the cache is keyed by prompt only (the toy's embeddings would be read for the other)."""
     import shutil
-    import model as M
-    import prompt_cache
-    import toy
+    from models import policy as M
+    from infra import prompt_cache
+    from models import toy
     from safetensors.torch import load_file, save_file
     other = tmp_path / 'other'  # the toy, but another text table (shared transformer)
     other.mkdir()
@@ -210,19 +210,19 @@ def test_prompt_cache_rebuilt_for_another_text_encoder(tmp_path):
         assert len(cache) == len(asked) and all(p in cache for p in asked)
         return all(torch.equal(a, b) for p in asked for a, b in zip(cache[p], want[p]))
 
-    prompt_cache.build(path, toy.DIR, prompts, chunk=4)
+    prompt_cache.build(path, toy.DIR, prompts, M.encode_prompts, chunk=4)
     assert holds(toy.DIR, prompts) and len(shards()) == 3
     toy_embeds = M.encode_prompts(toy.DIR, prompts)
-    prompt_cache.build(path, str(other), prompts[:5], chunk=4)  # another model, fewer prompts
+    prompt_cache.build(path, str(other), prompts[:5], M.encode_prompts, chunk=4)  # another model, fewer prompts
     assert holds(str(other), prompts[:5]) and len(shards()) == 2  # the toy's shards are gone
     cache = prompt_cache.PromptCache(path)
     assert not any(torch.equal(cache[p][0], toy_embeds[p][0]) for p in prompts[:5] if p)  # not the toy's
     with pytest.raises(KeyError):
         cache[prompts[7]]  # the toy's, not asked for again: not served
     with pytest.raises(SystemExit, match="'purple' not in the toy vocabulary"):  # fails on the first chunk
-        prompt_cache.build(path, toy.DIR, ['a purple circle moving left'])
+        prompt_cache.build(path, toy.DIR, ['a purple circle moving left'], M.encode_prompts)
     assert holds(str(other), prompts[:5]) and len(shards()) == 2  # as it was
-    prompt_cache.build(path, toy.DIR, prompts, chunk=4)
+    prompt_cache.build(path, toy.DIR, prompts, M.encode_prompts, chunk=4)
     assert holds(toy.DIR, prompts) and len(shards()) == 3
 
 
@@ -285,9 +285,9 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
     pickle.loads(touch)
     assert os.path.exists(marker(6))  # plain pickle runs it
     # a real checkpoint: model, Muon and AdamW state, anchor
-    import toy  # noqa: F401  (plugs the toy world into model.py)
-    from model import load_policy
-    from optimizer import build
+    from models import toy  # noqa: F401  (plugs the toy world into model.py)
+    from models.policy import load_policy
+    from infra.optimizer import build
     from trust_region import Anchor
     policy = load_policy('assets/toy', 'cpu')
     opts = build(policy, 'muon', 1e-4, 0.01)
@@ -313,8 +313,8 @@ def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
     Were any of them to read .metadata with DCP's own reader (pickle.load), the payload would run:
     the marker file would exist and no UnpicklingError come."""
     import zlib
-    import toy  # noqa: F401  (plugs the toy world into model.py)
-    from model import load_policy
+    from models import toy  # noqa: F401  (plugs the toy world into model.py)
+    from models.policy import load_policy
     from trust_region import Anchor
     base = os.path.join(ROOT, 'assets/toy')
     policy = load_policy(base, 'cpu')
@@ -361,9 +361,9 @@ def test_export_is_atomic_and_loads_with_diffusers(tmp_path, monkeypatch):
     (disk full: a half-written weights file, then an error) leaves the previous export whole, or
     none; a temporary directory left by a killed export is cleared by the next one; what is
     exported loads with diffusers' from_pretrained and holds the checkpoint's weights."""
-    import toy  # noqa: F401  (plugs the toy world into model.py)
+    from models import toy  # noqa: F401  (plugs the toy world into model.py)
     from diffusers import HunyuanVideo15Transformer3DModel as T
-    from model import load_policy
+    from models.policy import load_policy
     policy = load_policy(os.path.join(ROOT, 'assets/toy'), 'cpu')
     loop = dict(iter_num=1, config=dict(model=os.path.join(ROOT, 'assets/toy'), lora_rank=0))
     out, dest = str(tmp_path / 'out'), str(tmp_path / 'out' / 'export')
@@ -417,3 +417,63 @@ def test_forget_after_drops_an_owed_evaluation(tmp_path):
         checkpoint.forget_after(str(out), 1, eval_owed=owed)
         assert [json.loads(l) for l in (out / 'metrics.jsonl').read_text().splitlines()] == kept
         assert sorted(os.listdir(out / 'eval')) == [f'iter{i:06d}_0.mp4' for i in ((0, 1) if not owed else (0,))]
+
+
+def test_crc32_is_of_every_byte_of_a_file(tmp_path):
+    """checkpoint._crc is zlib's crc32 of the whole file, read in blocks: a file of 2.5 blocks (40 MB),
+    and a byte changed in its last block changes it."""
+    import zlib
+    data = bytearray(os.urandom(40 << 20))
+    path = tmp_path / 'shard'
+    path.write_bytes(data)
+    assert checkpoint._crc(str(path)) == zlib.crc32(data)
+    data[-1] ^= 1
+    path.write_bytes(data)
+    assert checkpoint._crc(str(path)) == zlib.crc32(data) != zlib.crc32(data[:-1] + bytes([data[-1] ^ 1]))
+
+
+def test_damage_checks_every_file_listed_in_loop_json(tmp_path):
+    """damage() checks each file loop.json lists (every rank's shards, not the first alone): a second
+    rank's shard listed with its size and crc32 is intact as written, and named once it has other
+    bytes of the same size, is cut short or is gone; the first rank's shard changed in its last byte too."""
+    import zlib
+    model = torch.nn.Linear(4, 4)
+    path = checkpoint.save(str(tmp_path / 'out' / 'ckpt_000001'), model, [torch.optim.AdamW(model.parameters())],
+                           {}, dict(iter_num=1))
+    other = os.path.join(path, '__1_0.distcp')  # as rank 1 of a 2-rank save would have written it
+    data = os.urandom(5000)
+    open(other, 'wb').write(data)
+    loop = checkpoint.read_loop(path)
+    loop['files']['__1_0.distcp'] = [len(data), zlib.crc32(data)]
+    with open(os.path.join(path, 'loop.json'), 'w') as f:
+        json.dump(loop, f)
+    assert checkpoint.damage(path) is None
+    for damage, why in [(lambda f: (f.seek(4999), f.write(bytes([data[-1] ^ 1]))), 'has changed since it was written (crc32)'),
+                        (lambda f: f.truncate(4000), 'is 4000 bytes, 5000 were written')]:
+        open(other, 'wb').write(data)
+        with open(other, 'r+b') as f:
+            damage(f)
+        assert checkpoint.damage(path) == f'__1_0.distcp {why}'
+    os.remove(other)
+    assert checkpoint.damage(path) == '__1_0.distcp is missing'
+    open(other, 'wb').write(data)
+    mine = os.path.join(path, '__0_0.distcp')
+    with open(mine, 'r+b') as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert checkpoint.damage(path) == '__0_0.distcp has changed since it was written (crc32)'
+
+
+def test_save_clears_what_interrupted_saves_left(tmp_path):
+    """A save removes every checkpoint temporary directory an earlier save left (one of another
+    iteration, with files in it: a rank died mid-save), and nothing else of out_dir."""
+    out = tmp_path / 'out'
+    for d in ('ckpt_000004.tmp', 'ckpt_000006.tmp', 'export.tmp'):
+        os.makedirs(out / d)
+        (out / d / '__0_0.distcp').write_bytes(b'half')
+    model = torch.nn.Linear(2, 2)
+    checkpoint.save(str(out / 'ckpt_000005'), model, [torch.optim.AdamW(model.parameters())], {}, dict(iter_num=5))
+    assert sorted(os.listdir(out)) == ['ckpt_000005', 'export.tmp', 'latest']
+    assert checkpoint.damage(str(out / 'ckpt_000005')) is None

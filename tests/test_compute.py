@@ -68,12 +68,12 @@ def test_scales_over_the_trained_steps():
 
 
 def test_sample_window_outside_is_ode_without_logp():
-    import model
-    import toy  # noqa: F401  plugs the toy world into model.py
-    from prompt_cache import PromptCache, build
+    from models import policy as model
+    from models import toy  # noqa: F401  plugs the toy world into model.py
+    from infra.prompt_cache import PromptCache, build
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        build(d, 'assets/toy', {'a red circle moving left'}, 'cpu')
+        build(d, 'assets/toy', {'a red circle moving left'}, model.encode_prompts, 'cpu')
         text = model.batch_text(PromptCache(d), ['a red circle moving left'] * 2, 'cpu')
     policy = model.load_policy(os.path.join(ROOT, 'assets/toy'), 'cpu', fsdp=False, checkpointing=False)
     sig = sde.sigmas(6, SHIFT)
@@ -100,9 +100,11 @@ def test_sample_window_outside_is_ode_without_logp():
 RECORDER = '''
 import atexit, json, os, runpy, sys, torch
 sys.path.insert(0, os.getcwd())  # run as a file (torchrun takes no -c): the repository root
-import loss, model, sde
+import sde
+from extras import diagnostics
+from models import policy
 log = dict(rollouts=[], losses=[])
-sample, step, clipped, masked = model.sample, sde.step, loss.clipped_surrogate, loss.masked_sum
+sample, step, add = policy.sample, sde.step, diagnostics.UpdateStats.add
 seen = {}
 def sampled(*args, keep=False, window=None, **kw):
     x, rec = sample(*args, keep=keep, window=window, **kw)
@@ -114,15 +116,14 @@ def stepped(*args, **kw):
     if torch.is_grad_enabled() and kw.get('x_next') is not None:  # a trained step (the anchor's has no grad)
         seen['std'] = out.std
     return out
-def surrogate(*args):
-    seen['clipped'] = clipped(*args)
-    return seen['clipped']
-def summed(per_clip, valid):
-    keep = seen['clipped'] != 0  # a zero advantage carries no scale
-    log['losses'].append(dict(std=seen['std'][keep].tolist(), scale=(per_clip / seen['clipped'])[keep].tolist(),
+def added(self, loss, terms):  # the scale on the policy term: its PPO clipped term, written out here
+    r, a = terms['ratio'], terms['adv']
+    clipped = torch.maximum(-a * r, -a * r.clamp(1 - 1e-4, 1 + 1e-4))
+    keep = clipped != 0  # a zero advantage carries no scale
+    log['losses'].append(dict(std=seen['std'][keep].tolist(), scale=(terms['policy'] / clipped)[keep].tolist(),
                               rollout=len(log['rollouts']) - 1))
-    return masked(per_clip, valid)
-model.sample, sde.step, loss.clipped_surrogate, loss.masked_sum = sampled, stepped, surrogate, summed
+    return add(self, loss, terms)
+policy.sample, sde.step, diagnostics.UpdateStats.add = sampled, stepped, added
 atexit.register(lambda: json.dump(log, open(os.environ['RECORD'] + '_' + os.environ.get('RANK', '0') + '.json', 'w')))
 sys.argv = sys.argv[1:]
 runpy.run_path('train.py', run_name='__main__')
@@ -213,7 +214,7 @@ def test_window_trains_only_its_steps_with_their_own_scales_and_counts_survive_r
     run_here(monkeypatch, SMALL + window + [f'--out_dir={ref}', '--max_iters=3'])
     wa, wb = weights(ref), weights(out)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    import checkpoint
+    from infra import checkpoint
     oa, ob = (checkpoint.read_tensors(os.path.join(d, 'ckpt_000003'), 'optim') for d in (ref, out))
     # (the resumed run also holds a zero state for the weights that never get a gradient: checkpoint.py)
     assert oa and set(oa) <= set(ob) and all(torch.equal(oa[k], ob[k]) for k in oa)

@@ -34,7 +34,7 @@ TRAIN = [
     ('timestep_fraction', [0.0, 1.5], 1.0, 'greater than 0 and at most 1'),
     ('clip_range', [0.0, -1e-4], 1e-6, 'greater than 0'),
     ('group_size', [1, 0], 2, 'at least 2'),
-    ('learning_rate', [0.0, -1e-5], 1e-8, 'greater than 0'),
+    ('learning_rate', [-1e-5], 0.0, 'at least 0'),
     ('num_frames', [80, 0, 2], 5, '1 + 4k'),
     ('height', [40, 0], 16, 'multiple of 16'),
     ('width', [100, -16], 32, 'multiple of 16'),
@@ -49,7 +49,9 @@ TRAIN = [
     ('anchor_every', [0], 1, 'at least 1'),
     ('beta_pos', [-1.0], 0.0, 'at least 0'),
     ('beta_vel', [-0.1], 0.0, 'at least 0'),
-    ('kl_max', [0.0], 1e-9, 'greater than 0'),
+    ('kl_max', [0.0], 1e-7, 'greater than 0'),  # 1e-7: kl_init's default (kl_min <= kl_init <= kl_max)
+    ('kl_init', [0.0], 1e-5, 'greater than 0'), ('kl_warmup', [-1], 0, 'at least 0'), ('alarm_z', [0.0], 0.5, 'greater than 0'),
+    ('advantage', ['ppo'], 'taros', "'grpo', 'per_component', 'taros'"), ('kl_estimator', ['mc'], 'sample', "'exact', 'sample'"),
     ('kl_target', [-1e-5], 1e-9, 'greater than 0'),
     ('weight_decay', [-0.01], 0.0, 'at least 0'),
     ('grad_clip', [0.0], 0.5, 'greater than 0'),
@@ -77,7 +79,7 @@ TRAIN = [
     ('init_from', ['latest'], 'resume', "'scratch', 'resume'"),
     ('attention', ['flash', 'masked'], 'diffusers', "'valid_tokens', 'masked_keys', 'diffusers'"),
     ('attention_backend', ['flash_attn', 'Native', ''], 'xformers', 'a diffusers attention backend'),
-    ('reward_model', ['clip'], 'videoalign', "'videoalign', 'toy'"),
+    ('reward_model', ['clip'], 'videoalign', "'videoalign', 'world'"),
     ('device', ['gpu', 'cuda:0'], 'cpu', "'cuda', 'cpu'"),
     ('export_dtype', ['fp16'], '', "'bfloat16', 'float16', 'float32', ''"),
     ('eval_metrics', ['clip', 'clipscore,pick'], 'pickscore, clipscore', "'clipscore', 'pickscore'"),
@@ -162,9 +164,9 @@ def run_script(monkeypatch, script, args):
     ('-m bench.fullsize', FULLSIZE, []),
 ] + [(f'-m {m}', cases, []) for m, cases in OTHER.items()])
 def test_every_range_one_line_before_anything(monkeypatch, tmp_path, script, cases, base):
-    import configurator
-    import model
-    import preemption
+    from infra import configurator
+    from models import policy as model
+    from infra import preemption
     from bench import common
     from test_verdicts import load
     monkeypatch.chdir(ROOT)
@@ -195,7 +197,7 @@ def test_every_range_one_line_before_anything(monkeypatch, tmp_path, script, cas
 
 
 def test_none_only_where_the_default_is_none():
-    from configurator import configure
+    from infra.configurator import configure
     g = dict(eta=0.5, num_steps=None, sampler='sage')
     configure(g, ['--num_steps=None'])  # sample.py's "the world's default"
     with pytest.raises(SystemExit, match=r"^config error: eta must be greater than 0 .*, got None$"):
@@ -220,3 +222,25 @@ def test_bad_values_as_a_user_runs_them(tmp_path):
         assert p.returncode == 1 and 'Traceback' not in p.stderr, (args, p.stderr[-2000:])
         assert p.stderr.strip().splitlines()[-1].startswith(message), (args, p.stderr[-2000:])
         assert p.stdout == '' and {f: os.path.getmtime(out / f) for f in os.listdir(out)} == before, (args, p.stdout)
+
+
+def test_layout_settings_one_line_before_anything(monkeypatch, tmp_path):
+    """shard_size (0: one node's ranks, so at least 0) and solo_timeout (minutes, greater than 0) through
+    train.py as the table's cases are: a bad value one line, the edge value passes."""
+    test_every_range_one_line_before_anything(monkeypatch, tmp_path, 'train.py', [
+        ('shard_size', [-1, -8], 0, 'at least 0'), ('solo_timeout', [0, -1.0], 1e-3, 'greater than 0')],
+        ['config/toy.py'])
+
+
+def test_settings_checked_together_one_line(monkeypatch):
+    """Rules of several settings at once (a tuple key): lambda_KL's floor, start and ceiling in order,
+    and an attention that needs a mask on a backend without one; each one line before anything runs."""
+    from infra import preemption
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(preemption, 'Preemption', stop)
+    base = ['config/toy.py', '--out_dir=/nonexistent/never-written']
+    assert run_script(monkeypatch, 'train.py', base + ['--kl_init=1e-5', '--kl_min=1e-5']) == 'passed'
+    said = run_script(monkeypatch, 'train.py', base + ['--kl_init=1e-3'])
+    assert said == 'config error: lambda_KL needs kl_min <= kl_init <= kl_max, got 1e-07, 0.001, 1e-05', said
+    said = run_script(monkeypatch, 'train.py', base + ['--attention=masked_keys', '--attention_backend=_native_flash'])
+    assert said.startswith("config error: attention_backend '_native_flash' takes no mask") and '\n' not in said

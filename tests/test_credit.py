@@ -5,10 +5,10 @@ python -m pytest tests/test_credit.py"""
 import pytest
 import torch
 
-import credit
+from extras import credit
 import reward
 import sde
-import toy
+from models import toy
 
 
 def hot(shape, f, y, x):

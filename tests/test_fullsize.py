@@ -1,7 +1,8 @@
 """
-bench/fullsize.py: the fake-tensor estimate against a real CPU run of the same small config
-(peak resident memory of a fresh process), the fixed-order forward against diffusers' own, the
-attention stand-in's FLOPs and bytes against their closed forms, and the GPU check at tiny size.
+bench/fullsize.py's pieces (bench/fullsize_measure.py, fullsize_wan.py, fullsize_gpu.py): the
+fake-tensor estimate against a real CPU run of the same small config (peak resident memory of a fresh
+process), the fixed-order forward against diffusers' own, the attention stand-in's FLOPs and bytes
+against their closed forms, and the GPU check at tiny size.
 """
 import json
 import os
@@ -11,7 +12,9 @@ import sys
 import pytest
 import torch
 
-from bench import fullsize as bf
+from bench import fullsize_measure as bf
+from bench import fullsize_wan as bw
+from bench.fullsize_gpu import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'tests'))  # tiny_hunyuan
@@ -25,7 +28,7 @@ RUN = dict(what='train', Fr=9, H=256, W=384, world=0, attn='math', bf16=False, n
 
 def test_estimate_matches_a_real_cpu_run():
     est = bf.measure(SMALL, **RUN)
-    code = ('import json; from bench import fullsize as bf; from tests.test_fullsize import SMALL, RUN; '
+    code = ('import json; from bench import fullsize_measure as bf; from tests.test_fullsize import SMALL, RUN; '
             'r = bf.rss_run(SMALL, **RUN); print("RSS", r["rss_growth"])')
     # a fixed mmap threshold: glibc then returns every freed tensor to the OS at once, so the
     # resident-memory peak is the peak of live tensors, not of the allocator's cache
@@ -42,11 +45,11 @@ def test_estimate_matches_a_real_cpu_run():
 def test_fixed_order_forward_is_diffusers_forward():
     # all text tokens valid: the reorder in diffusers' forward is then the identity on the tokens
     from diffusers import HunyuanVideo15Transformer3DModel as T
-    from hunyuan15 import set_attention
-    from model import velocity
+    from models.hunyuan15 import set_attention
+    from models.policy import velocity
     from tiny_hunyuan import random_norm_gains
     torch.manual_seed(0)
-    model = random_norm_gains(T(**bf.TINY).eval())  # qk-norm gains that tell the four norms apart
+    model = random_norm_gains(T(**TINY).eval())  # qk-norm gains that tell the four norms apart
     x, s = torch.randn(2, 4, 3, 4, 6), torch.tensor([0.7, 0.3])
     text = [torch.randn(2, 5, 16), torch.ones(2, 5), torch.randn(2, 3, 8), torch.ones(2, 3)]
     neg = [torch.randn(2, 4, 16), torch.ones(2, 4), torch.randn(2, 3, 8), torch.ones(2, 3)]
@@ -62,26 +65,26 @@ def test_wan_rows_run_train_pys_velocity():
     # the Wan rows' forward (wan_velocity, on a model wan_build makes) is model.velocity's, text
     # padding and CFG included; and wan_tokens counts what the patch embedding makes
     from diffusers import WanTransformer3DModel as W
-    from model import velocity
+    from models.policy import velocity
     cfg = dict(num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=16,
                ffn_dim=32, num_layers=2, rope_max_seq_len=32)
     torch.manual_seed(0)
     model = W(**cfg).eval()
-    assert type(bf.wan_build(cfg)) is W and bf.WAN.blocks(model) is model.blocks
+    assert type(bw.wan_build(cfg)) is W and bw.WAN.blocks(model) is model.blocks
     x, s = torch.randn(2, 16, 3, 4, 6), torch.tensor([0.7, 0.3])  # 9 frames at 32x48
     text, neg = [torch.randn(2, 5, 16), torch.ones(2, 5)], [torch.randn(2, 2, 16), torch.ones(2, 2)]
     with torch.no_grad():
-        torch.testing.assert_close(bf.wan_velocity(model, x, s, text, neg, bf16=False),
+        torch.testing.assert_close(bw.wan_velocity(model, x, s, text, neg, bf16=False),
                                    velocity(model, x, s, text, cfg=5.0, text_neg=neg))
-        assert model.patch_embedding(x).flatten(2).shape[2] == bf.wan_tokens(9, 32, 48) == 3 * 2 * 3
+        assert model.patch_embedding(x).flatten(2).shape[2] == bw.wan_tokens(9, 32, 48) == 3 * 2 * 3
 
 
 def test_bench_attention_is_set_as_the_load_path_sets_it():
     # build() sets the blocks' attention with hunyuan15.set_attention, as model.load_transformer does;
     # masked keys: train.py's 'masked_keys' (its default, valid_tokens, needs mask values fake tensors lack)
-    import attention
-    import hunyuan15
-    net = bf.build(bf.TINY, checkpointing=False)
+    from models import attention
+    from models import hunyuan15
+    net = bf.build(TINY, checkpointing=False)
     assert bf.processor == 'masked_keys' and bf.processor in attention.ATTENTIONS
     assert all(type(b.attn.processor) is hunyuan15.MaskedKeysAttention for b in net.transformer_blocks)
 
@@ -111,7 +114,7 @@ def test_gpu_attention_allocates_and_counts_what_the_kernel_does():
 
 def test_gpu_check_at_tiny_size_on_cpu():
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    out = subprocess.run([sys.executable, '-m', 'bench.fullsize', '--gpu', '--tiny', '--device=cpu'], cwd=ROOT,
+    out = subprocess.run([sys.executable, '-m', 'bench.fullsize_gpu', '--tiny', '--device=cpu'], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.split('CHECK_JSON ')[-1])

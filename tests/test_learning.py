@@ -23,9 +23,10 @@ from test_train import ROOT, metrics, run, run_here
 RECORDER = '''
 import atexit, json, os, runpy, sys
 sys.path.insert(0, os.getcwd())  # run as a file (torchrun takes no -c): the repository root
-import toy, loss
+from models import toy
+from extras import diagnostics
 log = dict(rewards=[], losses=[])
-score, clipped, masked = toy.reward, loss.clipped_surrogate, loss.masked_sum
+score, add = toy.reward, diagnostics.UpdateStats.add
 def scored(frames, prompts, fps=toy.FPS):
     sc = score(frames, prompts, fps)
     if 'RECORD_NAN' in os.environ and len(prompts) > 1:
@@ -33,13 +34,10 @@ def scored(frames, prompts, fps=toy.FPS):
             v[int(os.environ['RECORD_NAN'])] = float('nan')
     log['rewards'].append(dict(prompts=list(prompts), **{k: v.tolist() for k, v in sc.items()}))
     return sc
-def recorded(ratio, adv, clip_range):  # train.py's step_loss: the advantages, then the valid mask
-    log['losses'].append(dict(adv=adv.tolist()))
-    return clipped(ratio, adv, clip_range)
-def summed(per_clip, valid):
-    log['losses'][-1]['valid'] = valid.tolist()
-    return masked(per_clip, valid)
-toy.reward, loss.clipped_surrogate, loss.masked_sum = scored, recorded, summed
+def recorded(self, loss, terms):  # each micro-batch of train.py's update: what its objective received
+    log['losses'].append(dict(adv=terms['adv'].tolist(), valid=terms['valid'].tolist()))
+    return add(self, loss, terms)
+toy.reward, diagnostics.UpdateStats.add = scored, recorded
 atexit.register(lambda: json.dump(log, open(os.environ['RECORD'] + '_' + os.environ.get('RANK', '0') + '.json', 'w')))
 sys.argv = sys.argv[1:]
 runpy.run_path('train.py', run_name='__main__')

@@ -1,41 +1,80 @@
 """
-loss.py's pieces (clipped_surrogate, masked_sum, denominator, with trust_region.gaussian_kl), composed as
-train.py's step_loss composes them (docs/method.md section 4), against a plain-Python reference written
-here number by number:
+train.py's objective: its own step_loss (read from train.py's source and run here, with the forwards
+replaced by given means and log-probs) and its own normaliser (the `denom` line of its update),
+against a plain-Python reference written here number by number (docs/method.md section 4):
 - the sign: one SGD step on the loss raises logp where A > 0 and lowers it where A < 0;
 - the clip: the pessimistic max takes the unclipped term (gradient -A r) where it must and the
   clipped one (gradient 0) where it must, for both signs of A and a ratio on both sides of the band;
 - S_t scales the policy term only; each KL term is measured against its own mean (position vs the
   anchor's, velocity vs the rollout's), and equals torch.distributions' KL;
 - a NaN-reward clip (valid 0) gets no gradient at all, policy or KL;
-- denominator(): summed over micro-batches, trained steps and ranks (averaged by FSDP), the gradient
+- the normaliser: summed over micro-batches, trained steps and ranks (averaged by FSDP), the gradient
   is the mean over valid clips x trained steps.
 """
+import ast
+import contextlib
 import math
+import os
 from types import SimpleNamespace
 
 import torch
 
-from loss import clipped_surrogate, denominator, masked_sum
 from trust_region import gaussian_kl
 
 EPS = 1e-4  # clip range
+SOURCE = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'train.py')).read()
+TREE = ast.parse(SOURCE)
+
+
+def train_function(name):
+    """The source of train.py's top-level function `name`."""
+    fn, = [n for n in TREE.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    return ast.get_source_segment(SOURCE, fn)
+
+
+def train_expression(target):
+    """The source of the right-hand side of train.py's (only) assignment to `target`."""
+    found = [n.value for n in ast.walk(TREE) if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == target for t in n.targets)]
+    assert len(found) == 1, (target, len(found))
+    return ast.get_source_segment(SOURCE, found[0])
+
+
+def denominator(n_valid, n_train, world, n_chunks=1):
+    """train.py's denom for n_valid valid clips (all ranks), n_train trained steps, n_chunks optimizer steps."""
+    names = dict(valid=torch.ones(int(n_valid)), n_train=n_train, world=world, chunks=[None] * n_chunks, max=max)
+    return eval(train_expression('denom'), names)
 
 
 def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=None, scale=1.0, lam=0.0,
-         beta_pos=1.0, beta_vel=0.1, valid=None, denom=1.0):
-    """train.py's step_loss after its forwards: the loss of n clips at one trained step, and its terms."""
+         beta_pos=1.0, beta_vel=0.1, valid=None, denom=1.0, kl_estimator='exact'):
+    """train.py's step_loss of n clips at one trained step each (clip i at step i, so S_t may differ per
+    clip), its forwards replaced: the policy's step gives (mean, std, logp), the anchor's mean_anchor."""
     n = logp.shape[0]
-    mean = torch.zeros(n, 3) if mean is None else mean
-    std = torch.ones(n) if std is None else std
-    valid = torch.ones(n) if valid is None else valid
-    ratio = torch.exp(logp - logp_old)
-    policy = scale * clipped_surrogate(ratio, adv, EPS)
-    zero = torch.zeros_like(policy)
-    kl_pos = gaussian_kl(mean, mean_anchor, std) if mean_anchor is not None else zero
-    kl_vel = gaussian_kl(mean, mean_old, std) if mean_old is not None else zero
-    loss = masked_sum(policy + lam * (beta_pos * kl_pos + beta_vel * kl_vel), valid) / denom
-    return loss, SimpleNamespace(policy=policy, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio)
+    mean = torch.zeros(n, 3, dtype=logp.dtype) if mean is None else mean
+    std = torch.ones(n, dtype=logp.dtype) if std is None else std
+    valid = torch.ones(n, dtype=logp.dtype) if valid is None else valid
+    eye = torch.eye(n, dtype=torch.bool)  # (clip, step) pairs (i, i)
+    logps = torch.zeros(n, n, dtype=logp.dtype).masked_scatter(eye, logp_old.detach())
+    means = torch.zeros(n, n, mean.shape[1], dtype=mean.dtype)
+    if mean_old is not None:
+        means[eye] = mean_old
+    clips = dict(xs=torch.zeros(n, n + 1, 1), logps=logps, means=means, adv=adv, valid=valid, prompts=[''] * n)
+
+    def step(x, v, s, s_next, sampler, eta, x_next=None, weight=None):
+        if torch.is_grad_enabled():  # the policy's grad forward
+            return SimpleNamespace(mean=mean, std=std, logp=logp)
+        return SimpleNamespace(mean=mean_anchor, std=std, logp=None)  # the anchor's, under no_grad
+    names = dict(torch=torch, sde=SimpleNamespace(step=step), velocity=lambda *a: None, gaussian_kl=gaussian_kl,
+                 anchor=SimpleNamespace(applied=lambda policy: contextlib.nullcontext()), policy=None,
+                 sigmas=torch.linspace(1, 0, n + 1), text_for=lambda ps: (None, None), credit='none', cfg=1.0,
+                 sampler='sage', eta=0.5, clip_range=EPS, device='cpu', kl_estimator=kl_estimator,
+                 kl_pos_weight=beta_pos if mean_anchor is not None else 0.0,
+                 kl_vel_weight=beta_vel if mean_old is not None else 0.0)
+    exec(train_function('step_loss'), names)
+    scale = torch.as_tensor(scale, dtype=logp.dtype).expand(n)  # (n,) S_t of clip i's step i
+    loss, terms = names['step_loss'](clips, list(range(n)), torch.arange(n), scale, lam, denom)
+    return loss, SimpleNamespace(**terms)
 
 
 def ref_policy(r, A, S):
@@ -175,3 +214,22 @@ def test_normalisation_over_valid_clips_trained_steps_and_ranks():
         per_rank.append(theta.grad.item())
     assert math.isclose(sum(per_rank) / world, ref, rel_tol=1e-12)
     assert denominator(0, T, world) == T / world  # no valid clip: no division by zero (the loss is 0)
+
+
+def test_sample_estimator_of_the_velocity_term_is_the_log_ratio():
+    """kl_estimator='sample' (the released step-wise term): log pi_old - log pi_theta of the rollout's own
+    sample; 0 at theta_old and yet a gradient of -lam beta_vel / denom per clip on logp, where the exact
+    KL's is 0."""
+    logp = torch.tensor([-0.3, -0.4, -0.5], dtype=torch.float64, requires_grad=True)
+    old = logp.detach() + torch.tensor([0.0, 0.02, -0.01], dtype=torch.float64)
+    mean = torch.zeros(3, 2, dtype=torch.float64, requires_grad=True)
+    lam, bv, denom = 0.5, 0.1, 2.0
+    loss, t = call(logp, old, torch.zeros(3, dtype=torch.float64), mean, None, mean.detach() + 0.1, lam=lam,
+                   beta_vel=bv, denom=denom, kl_estimator='sample')
+    assert torch.allclose(t.kl_vel, old - logp.detach(), rtol=0, atol=1e-15)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.full((3,), -lam * bv / denom, dtype=torch.float64))
+    assert mean.grad is None or torch.equal(mean.grad, torch.zeros(3, 2, dtype=torch.float64))
+    _, exact = call(logp, old, torch.zeros(3, dtype=torch.float64), mean, None, mean.detach() + 0.1, lam=lam,
+                    beta_vel=bv, denom=denom)
+    assert torch.allclose(exact.kl_vel.double(), torch.full((3,), 0.1 ** 2 / 2, dtype=torch.float64))  # (0.1)^2 / (2 std^2)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-import metrics
+from extras import metrics
 from tiny_clip import make_tiny_clip
 
 PROMPTS = ['a red circle moving left', 'a dog runs in the park at night ' * 12]  # the second: > 77 tokens

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import HunyuanVideo15Pipeline
 
-import model
+from models import policy as model
 import sde
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -175,8 +175,8 @@ def test_latent_shape_is_the_vae_encode_shape(root, pipe, F, H, W):
 
 
 def test_family_is_read_from_model_index(root, tmp_path):
-    import hunyuan15
-    import toy
+    from models import hunyuan15
+    from models import toy
     assert model.family(root) is hunyuan15 and model.family('assets/toy') is toy
     assert model.family_of(model.load_transformer('assets/toy')) is hunyuan15  # the toy's transformer class
     os.makedirs(tmp_path / 'transformer')  # no model_index.json: says how to get the weights

@@ -26,7 +26,7 @@ import torch
 from bench.nodes import Job, node_dirs, run as run_nodes
 from test_train import ROOT, metrics, run_here, weights
 
-import checkpoint
+from infra import checkpoint
 
 SMALL = ['--prompts_per_iter=2', '--group_size=2', '--num_steps=4', '--rollout_batch=4', '--train_batch=2',
          '--eval_every=0', '--eval_samples=1', '--eval_videos=0', '--export_dtype=']
@@ -43,7 +43,7 @@ def one_eval_prompt(tmp_path):
 def toy2(tmp_path):
     """The toy world with a 2-head transformer (random weights; the toy's 3 heads do not split in 2)."""
     from diffusers import HunyuanVideo15Transformer3DModel
-    import toy
+    from models import toy
     torch.manual_seed(0)
     HunyuanVideo15Transformer3DModel(**{**toy.CONFIG, 'num_attention_heads': 2}).save_pretrained(
         tmp_path / 'toy2' / 'transformer')
@@ -84,9 +84,9 @@ def test_hsdp_2x2_sp2_equals_one_process_and_checkpoints_hold_every_shard(tmp_pa
     assert all(os.path.getsize(os.path.join(newest, f)) == size for f, (size, _) in files.items())
     assert tmp_files(two, *dirs) == []
     # it loads in one process (DCP reshards 2x2 -> 1): the weights and the optimizer state
-    import toy  # noqa: F401
-    from model import load_policy
-    from optimizer import build
+    from models import toy  # noqa: F401
+    from models.policy import load_policy
+    from infra.optimizer import build
     from trust_region import Anchor
     policy = load_policy(str(tmp_path / 'toy2'), 'cpu')
     opts, anchor = build(policy, 'muon', 1e-5, 0.01), Anchor(policy)
@@ -149,7 +149,7 @@ def test_a_killed_rank_ends_every_process_within_seconds(tmp_path):
 MESH = """
 import torch
 import torch.distributed as dist
-import parallel
+from infra import parallel
 parallel.init('cpu', 0.1)
 seen = [(name, m[name].get_group()._get_backend(torch.device('cpu')).options._timeout.total_seconds())
         for m in (parallel.fsdp_mesh(2, 1, 'cpu'), parallel.mesh('cpu', (2, 1, 1), ('dp', 'ring', 'ulysses')))
@@ -176,3 +176,116 @@ def test_mesh_groups_wait_dist_timeout_not_torchs_default(tmp_path):
     seen = [kv.split('=') for l in p.stdout.splitlines() if l.startswith('groups ') for kv in l.split()[1:]]
     assert sorted(n for n, _ in seen) == sorted(['replicate', 'shard', 'dp', 'ring', 'ulysses'] * 2), p.stdout
     assert all(float(t) == 6.0 for _, t in seen), p.stdout
+
+
+# ----------------------------------------------------------------------------- the layout, in this process
+
+def test_hsdp_mesh_is_replicate_outer_shard_inner():
+    """fsdp_mesh on 8 ranks with shard_size 2: a (replicate 4, shard 2) mesh whose shard groups are
+    consecutive ranks (one node's), the replicas the same slot on every node; one shard group of the
+    whole world is no mesh at all (plain FSDP on the default group). A fake process group: no peers."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from infra import parallel
+    dist.init_process_group('fake', rank=0, world_size=8, store=FakeStore())
+    try:
+        m = parallel.fsdp_mesh(8, 2, 'cpu')
+        assert m.mesh_dim_names == ('replicate', 'shard') and (m['replicate'].size(), m['shard'].size()) == (4, 2)
+        assert m.mesh.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert parallel.fsdp_mesh(8, 8, 'cpu') is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_check_layout_shard_size_0_is_one_node_and_refusals(monkeypatch):
+    """check_layout: shard_size 0 is one node's ranks (LOCAL_WORLD_SIZE), the world where a node holds
+    more ranks than the world; a shard_size that does not divide the world, an sp group wider than a
+    node, and clips that do not divide over the data-parallel ranks stop with one line each."""
+    from infra import parallel
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
+    assert parallel.check_layout(16, 0, 1, 16) == 4  # 4 nodes of 4: shards of 4, replicated 4x
+    assert parallel.check_layout(16, 8, 2, 8) == 8  # given: kept
+    assert parallel.describe(16, 4, 2) == 'layout: 16 ranks; weights sharded over 4 and replicated 4x (HSDP); sp 2'
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '8')
+    assert parallel.check_layout(2, 0, 1, 2) == 2
+    for args, line in [((16, 3, 1, 16), 'shard_size 3 must divide the world size 16'),
+                       ((16, 0, 16, 16), 'sp_size 16 must divide the 8 ranks of a node'),
+                       ((16, 0, 3, 16), 'sp_size 3 must divide the 8 ranks of a node'),
+                       ((16, 0, 2, 12), 'prompts_per_iter * group_size = 12 must be divisible by the world size 16 / sp_size 2')]:
+        with pytest.raises(SystemExit) as e:
+            parallel.check_layout(*args)
+        assert str(e.value).startswith(line) and '\n' not in str(e.value), (args, str(e.value))
+    assert parallel.check_layout(16, 0, 2, 8) == 8  # 8 clips over 16 / 2 data-parallel ranks
+
+
+def as_rank_1(monkeypatch, zero):
+    """torch.distributed as rank 1 of 2 sees it: `zero` is rank 0's broadcast box, rank 0 saw its own file."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, 'is_initialized', lambda: True)
+    monkeypatch.setattr(dist, 'get_rank', lambda group=None: 1)
+    monkeypatch.setattr(dist, 'get_world_size', lambda group=None: 2)
+    monkeypatch.setattr(dist, 'broadcast_object_list', lambda box, src=0, group=None: box.__setitem__(slice(None), zero))
+    monkeypatch.setattr(dist, 'all_gather_object', lambda out, obj, group=None: out.__setitem__(slice(None), [(True, 'node0'), obj]))
+
+
+def test_check_shared_reads_rank_0s_file_by_its_bytes(tmp_path, monkeypatch):
+    """check_shared on rank 1: passes where rank 1 reads the very bytes rank 0 wrote (their sha256), stops
+    with one line naming rank 1 where the file is absent (a node's own disk) or holds other bytes (a
+    stale copy of the same name)."""
+    import hashlib
+    import socket
+    from infra import parallel
+    monkeypatch.setattr(parallel, 'SEEN_WAIT', 0.3)
+    shared, own, stale = tmp_path / 'shared', tmp_path / 'own', tmp_path / 'stale'
+    for d in (shared, own, stale):
+        d.mkdir()
+    token = '.shared-0123456789abcdef'
+    (shared / token).write_text(token)
+    (stale / token).write_text('.shared-fedcba9876543210')  # same length, other bytes
+    as_rank_1(monkeypatch, [token, hashlib.sha256(token.encode()).hexdigest(), None])
+    parallel.check_shared(str(shared), 'out_dir', master=False)
+    for d in (own, stale):
+        with pytest.raises(SystemExit) as e:
+            parallel.check_shared(str(d), 'out_dir', master=False)
+        assert str(e.value) == (f"out_dir {str(d)!r} must be on a filesystem all nodes share: rank 1 "
+                                f"({socket.gethostname()}) does not see the file rank 0 wrote in it ({token})")
+    as_rank_1(monkeypatch, [token, None, "out_dir '/x' is not writable: denied"])  # rank 0's own failure
+    with pytest.raises(SystemExit, match="^out_dir '/x' is not writable: denied$"):
+        parallel.check_shared(str(shared), 'out_dir', master=False)
+
+
+def test_solo_others_wait_on_the_store_for_solo_timeout(monkeypatch):
+    """parallel.solo on rank 1: it waits on the store's key (not running fn) until rank 0 sets it and
+    returns None; rank 0's line stops it; with nothing set it stops after solo_timeout (0.6 s here),
+    not the store's own 30 s. On rank 0 fn runs and its result or its SystemExit line is set."""
+    import threading
+    from datetime import timedelta
+    import torch.distributed as dist
+    from infra import parallel
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    rank = [1]
+    monkeypatch.setattr(dist, 'is_initialized', lambda: True)
+    monkeypatch.setattr(dist, 'get_rank', lambda group=None: rank[0])
+    monkeypatch.setattr(dist.distributed_c10d, '_get_default_store', lambda: store)
+
+    def never():
+        raise AssertionError('fn ran on rank 1')
+    threading.Timer(0.5, lambda: store.set('solo/cache', '')).start()
+    t0 = time.time()
+    assert parallel.solo(never, 'cache', 1.0) is None and time.time() - t0 >= 0.45  # it waited for rank 0
+    store.set('solo/export', 'rank 0 failed in export: OSError: disk full')
+    with pytest.raises(SystemExit, match='^rank 0 failed in export: OSError: disk full$'):
+        parallel.solo(never, 'export', 1.0)
+    t0 = time.time()
+    with pytest.raises(SystemExit, match=r'^rank 1: rank 0 did not finish late within solo_timeout \(0.01 min\)'):
+        parallel.solo(never, 'late', 0.01)
+    assert 0.5 <= time.time() - t0 < 10  # solo_timeout's 0.6 s: neither seconds nor the store's 30 s
+    rank[0] = 0
+    assert parallel.solo(lambda: 'built', 'built', 1.0) == 'built' and store.get('solo/built') == b''
+
+    def stops():
+        raise SystemExit('no space for the prompt cache')
+    with pytest.raises(SystemExit):
+        parallel.solo(stops, 'stops', 1.0)
+    assert store.get('solo/stops') == b'no space for the prompt cache'

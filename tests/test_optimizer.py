@@ -23,7 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the worker with torch's own Muon swapped in for optimizer.Muon
-PLAIN = ("import runpy, sys, torch; sys.path.insert(0, {root!r}); import optimizer; optimizer.Muon = torch.optim.Muon; "
+PLAIN = ("import runpy, sys, torch; sys.path.insert(0, {root!r}); from infra import optimizer; optimizer.Muon = torch.optim.Muon; "
          "sys.argv = ['w', 'muon']; runpy.run_path({worker!r}, run_name='__main__')")
 
 
@@ -49,7 +49,7 @@ def test_shardwise_newton_schulz_would_fail(tmp_path):
 
 def test_split_and_lr_rule():
     import torch.nn as nn
-    from optimizer import ADJUST_LR, build
+    from infra.optimizer import ADJUST_LR, build
     from torch.optim._muon import _adjust_lr
     net = nn.Sequential(nn.Conv3d(2, 4, 2), nn.Flatten(), nn.Linear(4, 8), nn.LayerNorm(8), nn.Embedding(3, 8))
     muon, adamw = build(net, 'muon', 1e-5, 0.01)
@@ -94,7 +94,7 @@ def test_muon_step_matches_torch_and_the_released_rule(wd):
     # the decay not passed on (torch.optim.Muon's default 0.1 instead: (a) off by 2.2e-2 at wd 0.01 and
     # 4.9e-2 at wd 0.3, measured, vs its 1e-6). A vector of the same model goes to the AdamW part:
     # torch.optim.AdamW at this decay gives its values (the decay not passed on: 3.6e-2 off at wd 0.3).
-    from optimizer import build
+    from infra.optimizer import build
     lr = 0.02
     gen = torch.Generator().manual_seed(0)
     start = [torch.randn(32, 64, generator=gen), torch.randn(64, 16, generator=gen), torch.randn(16, generator=gen)]

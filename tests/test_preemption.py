@@ -33,7 +33,7 @@ import torch
 
 from test_train import ROOT, metrics, run, weights
 
-import checkpoint
+from infra import checkpoint
 
 STEPS = int(os.environ.get('PREEMPT_STEPS', 4))  # sampler steps, every one trained
 ARGS = ['--prompts_per_iter=4', '--group_size=2', '--rollout_batch=4', '--train_batch=1', '--timestep_fraction=1.0',
@@ -48,12 +48,14 @@ with open(os.path.join(os.environ['RC_DIR'], 'rc' + os.environ['RANK']), 'w') as
 sys.exit(rc)
 '''
 # train.py with a hook that SIGTERMs this process on rank $PREEMPT_RANK at the first $PREEMPT_AT of the run:
-# 'rollout' (the rollout's second step), 'update' (the update's second policy term: one backward done),
+# 'rollout' (the rollout's second step), 'update' (right after the update's first backward),
 # 'stepped' (right after the first optimizer step), 'eval' (an evaluation's first sampling step)
 TRIGGER = '''
 import os, runpy, signal, sys, time
 sys.path.insert(0, os.getcwd())  # run as a file (torchrun takes no -c): the repository root
-import evaluate, loss, model, preemption
+from extras import diagnostics
+from infra import preemption
+from models import evaluate, policy as model
 at, fired = os.environ['PREEMPT_AT'], []
 def term():
     if not fired:
@@ -76,14 +78,12 @@ if os.environ['RANK'] == os.environ['PREEMPT_RANK']:
     if at == 'eval':
         inner_eval = evaluate.sample
         evaluate.sample = lambda *a, boundary=None, **kw: inner_eval(*a, boundary=at_step(1, boundary), **kw)
-    if at == 'update':
-        terms, clipped = [], loss.clipped_surrogate
-        def surrogate(*a):
-            terms.append(1)
-            if len(terms) == 2:
-                term()
-            return clipped(*a)
-        loss.clipped_surrogate = surrogate
+    if at == 'update':  # right after the update's first backward
+        add = diagnostics.UpdateStats.add
+        def added(self, *a):
+            term()
+            return add(self, *a)
+        diagnostics.UpdateStats.add = added
     if at == 'stepped':
         stepped = preemption.Preemption.stepped
         def after_step(self):
@@ -195,7 +195,7 @@ def test_a_stop_with_a_peer_gone_exits_without_a_checkpoint():
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     code = ('import datetime, os, signal, sys, time; sys.path.insert(0, {root!r})\n'
-            'import torch.distributed as dist; from preemption import Preemption\n'
+            'import torch.distributed as dist; from infra.preemption import Preemption\n'
             'rank = int(sys.argv[1])\n'
             'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2,\n'
             '                        timeout=datetime.timedelta(seconds=60))\n'
@@ -214,7 +214,7 @@ def test_a_stop_with_a_peer_gone_exits_without_a_checkpoint():
 def test_second_sigterm_or_sigint_exits_at_once(tmp_path):
     """The first SIGTERM only asks for a stop at the next boundary; a second, or a SIGINT, ends the
     process at once with 128 + the signal (no cleanup that could touch a checkpoint)."""
-    code = ('import os, signal, sys, time; sys.path.insert(0, {root!r}); from preemption import Preemption\n'
+    code = ('import os, signal, sys, time; sys.path.insert(0, {root!r}); from infra.preemption import Preemption\n'
             'p = Preemption(); os.kill(os.getpid(), signal.{first}); time.sleep(0.5)\n'
             'assert p.flag and p.requested(); print("asked", flush=True)\n'
             'os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print("still here")')

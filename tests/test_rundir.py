@@ -30,7 +30,7 @@ import torch
 
 from test_train import ROOT, metrics, run_here
 
-import checkpoint
+from infra import checkpoint
 
 # the issue's sequence: evaluations (4 videos each) and a checkpoint every iteration
 S = ['train.py', 'config/toy.py', '--prompts_per_iter=2', '--group_size=2', '--num_steps=2', '--train_batch=1',
@@ -117,7 +117,7 @@ def test_rotation_by_iteration_keeps_the_checkpoint_just_written(tmp_path):
 
 
 def test_prompt_cache_of_another_model_is_rebuilt(tmp_path):
-    import prompt_cache
+    from infra import prompt_cache
 
     def encoder(value):  # model.encode_prompts' signature: each prompt's 4 tensors, one chunk at a time
         def encode_prompts(model, prompts, device, sink, chunk):
@@ -131,10 +131,120 @@ def test_prompt_cache_of_another_model_is_rebuilt(tmp_path):
 
 
 def test_restarts_across_nodes_need_a_fresh_store(monkeypatch):
-    import parallel
+    from infra import parallel
     for k, v in dict(TORCHELASTIC_USE_AGENT_STORE='True', GROUP_WORLD_SIZE='2', TORCHELASTIC_MAX_RESTARTS='3').items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit, match='set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every torchrun'):
         parallel._store(None)
     monkeypatch.setenv('TORCHELASTIC_USE_AGENT_STORE', 'False')  # torch's own fresh store per rendezvous
     assert parallel._store(None) is None
+
+
+# ----------------------------------------------------------------------------- rundir.claim, in this process
+
+RUN = dict(init_from='auto', max_iters=3, seed=0, model='assets/toy', group_size=2, eval_every=1)
+
+
+def claim(out, said=None, **change):
+    """rundir.claim of a start with RUN's settings changed by `change`: its (checkpoints, history) or its
+    one line; the lock is let go after, as the process's exit would (test_train.run_here)."""
+    from infra import rundir
+    try:
+        return rundir.claim(dict(RUN, out_dir=str(out), **change), True, log=(said if said is not None else []).append)
+    except SystemExit as e:
+        assert '\n' not in str(e)
+        return str(e)
+    finally:
+        if rundir._held is not None:
+            os.close(rundir._held)
+            rundir._held = None
+
+
+def a_run(out, iters=(2, 3)):
+    """out_dir of a run of RUN's settings with checkpoints at `iters` and a log line for each iteration."""
+    model = torch.nn.Linear(2, 2)
+    for i in iters:
+        checkpoint.save(str(out / f'ckpt_{i:06d}'), model, [torch.optim.AdamW(model.parameters())], {},
+                        dict(iter_num=i, config=dict(RUN, out_dir=str(out))))
+    (out / 'metrics.jsonl').write_text(''.join(json.dumps(dict(iter=i, reward=0.5)) + '\n' for i in range(1, max(iters) + 1)))
+    return out
+
+
+def test_claim_refuses_a_log_without_checkpoints_resume_into_nothing_and_a_changed_seed(tmp_path):
+    """The refusals of rundir.claim, each one line: a metrics log with no checkpoint and no config.json
+    (its settings are unknown; with a config.json it starts again at 0), init_from='resume' into an
+    out_dir that holds nothing, a changed seed (it defines the run; a SAFE change goes ahead); each
+    leaves out_dir's files as they were."""
+    logged = tmp_path / 'logged'
+    logged.mkdir()
+    (logged / 'metrics.jsonl').write_text(json.dumps(dict(iter=1, reward=0.5)) + '\n' + json.dumps(dict(iter=2, reward=0.6)) + '\n')
+    before = snapshot(str(logged))
+    assert claim(logged) == (f"out_dir {str(logged)!r} holds a run (metrics.jsonl: 2 lines up to iteration 2) but no "
+                             "checkpoint and no config.json: its settings are unknown. Start a new run with another --out_dir")
+    assert snapshot(str(logged)) == before
+    (logged / 'config.json').write_text(json.dumps(dict(settings=dict(RUN, out_dir=str(logged)), starts=[])))
+    said = []
+    assert claim(logged, said) == ([], dict(settings=dict(RUN, out_dir=str(logged)), starts=[]))
+    assert said and 'starts again at iteration 0' in said[0]
+    empty = tmp_path / 'empty'
+    assert claim(empty, init_from='resume') == f"{str(empty)!r} has no intact checkpoint to resume from"
+    assert claim(empty) == ([], None)  # auto: a new run
+    run = a_run(tmp_path / 'run')
+    before = snapshot(str(run))
+    assert claim(run, seed=1).startswith(f"out_dir {str(run)!r} holds a run with other settings: seed 0 (the run) vs 1.")
+    assert snapshot(str(run)) == before
+    ckpts, history = claim(run, eval_every=2)  # SAFE: continued
+    assert ckpts == [str(run / 'ckpt_000003'), str(run / 'ckpt_000002')] and history['settings']['seed'] == 0
+
+
+def test_claim_same_length_resubmission_continues_a_shorter_one_is_refused(tmp_path):
+    """A resubmission of a finished run with the same max_iters is taken (nothing to train, said so),
+    not refused; a --max_iters below the run's iteration is refused; a larger one continues."""
+    run = a_run(tmp_path / 'run')
+    said = []
+    assert claim(run, said)[0] == [str(run / 'ckpt_000003'), str(run / 'ckpt_000002')]
+    assert said == [f'the run in {run} is complete at iteration 3 (max_iters): nothing to train. A larger '
+                    '--max_iters trains it on; another --out_dir starts a new run']
+    assert claim(run, max_iters=2).startswith(f"out_dir {str(run)!r} holds a run at iteration 3 (ckpt_000003), past max_iters=2")
+    said = []
+    assert claim(run, said, max_iters=4)[0][0] == str(run / 'ckpt_000003') and said == []
+
+
+def test_lock_names_its_holder_and_a_refused_start_leaves_it(tmp_path):
+    """out_dir/.lock: a start that goes ahead writes 'pid <its pid> on <host> since <time>' (over a dead
+    holder's text); while it is held a second start stops naming that holder; a refused start leaves
+    the file as it was."""
+    import fcntl
+    import re
+    import socket
+    from infra import rundir
+    out = tmp_path / 'out'
+    out.mkdir()  # the lock file of a run that died (a lock alone is no run), its text longer than ours
+    (out / '.lock').write_text(f'pid 4194304 on {"a-long-host-name-" * 8} since 2000-01-01 00:00:00\n')
+    assert claim(out) == ([], None)
+    text = (out / '.lock').read_text()
+    assert re.fullmatch(rf'pid {os.getpid()} on {re.escape(socket.gethostname())} since '
+                        r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\n', text), text
+    fd = os.open(out / '.lock', os.O_RDWR)  # another process's flock, as it were (another open file)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert claim(out) == (f"out_dir {str(out)!r} is in use by another run ({text.strip()}): wait for it to end, "
+                              "or use another --out_dir")
+    finally:
+        os.close(fd)
+    run = a_run(tmp_path / 'run')
+    (run / '.lock').write_text('pid 1 on elsewhere since 2000-01-01 00:00:00\n')
+    assert claim(run, init_from='scratch').startswith(f"out_dir {str(run)!r} holds a run (")
+    assert (run / '.lock').read_text() == 'pid 1 on elsewhere since 2000-01-01 00:00:00\n'
+    assert rundir._held is None
+
+
+def test_latest_names_the_checkpoint_just_written(tmp_path):
+    """`latest` is the name of the checkpoint each save published, also with a later (damaged) one beside it."""
+    out = tmp_path / 'out'
+    model = torch.nn.Linear(2, 2)
+    os.makedirs(out / 'ckpt_000009')  # damaged: no loop.json
+    for i in (1, 2, 3):
+        checkpoint.save(str(out / f'ckpt_{i:06d}'), model, [torch.optim.AdamW(model.parameters())], {}, dict(iter_num=i))
+        assert (out / 'latest').read_text() == f'ckpt_{i:06d}' and not os.path.exists(out / 'latest.tmp')
+    assert checkpoint.found(str(out)) == ['ckpt_000002', 'ckpt_000003', 'ckpt_000009']

@@ -15,7 +15,7 @@ import os
 
 import imageio.v3 as iio
 
-from test_train import SMALL, check_sampler, run_here
+from test_train import ROOT, SMALL, check_sampler, run_here
 
 
 def test_sample_writes_videos_and_contact_sheet(tmp_path, monkeypatch):
@@ -28,8 +28,8 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path, monkeypatch):
     said = run_here(monkeypatch, ['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_steps=4',
                                   '--eval_metrics=clipscore,pickscore', f'--clip_dir={clip_dir}',
                                   f'--pickscore_dir={pick_dir}'])  # the toy's 16 prompts x 2 seeds
-    import toy
-    with open(os.path.join(os.path.dirname(toy.__file__), 'assets', 'toy', 'eval_prompts.txt')) as f:
+    from models import toy
+    with open(os.path.join(ROOT, toy.DIR, 'eval_prompts.txt')) as f:
         pairs = sorted(toy.parse(l)[::2] for l in f if l.strip())  # (colour, direction) of each default prompt
     assert pairs == [(c, d) for c in range(4) for d in range(4)]  # every pair once: the first look spans them
     for name in ('base', 'aligned'):

@@ -9,7 +9,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from model import load_transformer, velocity  # noqa: E402
+from models.policy import load_transformer, velocity  # noqa: E402
 from test_train import run_here  # noqa: E402
 from tiny_hunyuan import make_tiny_hunyuan  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_sp4_and_dp2_sp2_equal_one_process(tmp_path):
     assert run.returncode == 0, f'rc {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}'
     got = torch.load(tmp_path / 'out.pt')
 
-    import model as M
+    from models import policy as M
     ref = load_transformer(path, attention='diffusers')
     M.PASSES[:] = [0, 0]
     v = velocity(ref, x, inputs['s'], inputs['text'], 6.0, inputs['text_neg'])
@@ -84,7 +84,7 @@ def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path, monkeypatc
     # the toy world with a 2-head transformer (assets/toy's has 3 heads, which Ulysses cannot split
     # in 2: train.py says so); random weights are enough to compare two runs
     import shutil
-    import toy
+    from models import toy
     from diffusers import HunyuanVideo15Transformer3DModel
     evals = tmp_path / 'eval.txt'  # 2 held-out prompts: the evaluations at start and end stay cheap
     evals.write_text(''.join(open(os.path.join(ROOT, 'assets/toy/eval_prompts.txt')).readlines()[:2]))
@@ -115,7 +115,7 @@ def test_train_sp2_equals_one_process_and_resumes_across_sp(tmp_path, monkeypatc
     args.append('--init_from=resume')
     run([sys.executable], back)
 
-    import checkpoint
+    from infra import checkpoint
     import json
     w = {d: checkpoint.read_tensors(str(d / 'ckpt_000003')) for d in (one, two, back)}
     init = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / 'toy2' / 'transformer').state_dict()

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-import toy
+from models import toy
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ['a red circle moving left', 'a green square moving up', 'a blue triangle moving right',

@@ -52,7 +52,7 @@ def metrics(out):
 
 def weights(out):
     """The trained weights of out's newest checkpoint (sharded DCP), read in this process."""
-    import checkpoint
+    from infra import checkpoint
     with open(os.path.join(out, 'latest')) as f:
         return checkpoint.read_tensors(os.path.join(out, f.read().strip()))
 
@@ -82,22 +82,31 @@ def check_sampler(out, sampler, n_train, clips=4):
 GOLDEN = os.path.join(ROOT, 'tests', 'data', 'toy_small_metrics.jsonl')  # SMALL, Muon, 4 iterations
 
 
+# how far a CPU may move GOLDEN's figures: the same command on one Xeon with torch's avx512, avx2 and
+# default kernels (ATEN_CPU_CAPABILITY) differs from the recording by at most 2.8e-4 relative (kl_pos,
+# a small difference of means; eval figures 7e-5) over the 4 iterations. A change of behaviour moves them
+# far more: the equalizer off, 3.1 relative at iteration 1 (gnorm_last_eq); the ratio inverted, 8e-2
+# from iteration 2 (TA). 2e-3 sits 7x above the first and 40x below the second.
+GOLDEN_RTOL = 2e-3
+GOLDEN_NOISE = {'ratio_max': 1e-6, 'kl_vel': 1e-6, 'kl_grad_ratio': 1e-12}  # float noise at theta_old (absolute)
+
+
 def same_as_golden(out):
-    """The run's metrics.jsonl against GOLDEN, the recorded log of the same command: every row and
-    field but the timings and memory, to float rounding across CPUs (equal bitwise on the machine
-    that recorded it). A refactoring changes none of it; a change of behaviour on purpose rerecords
-    it: REGENERATE=1 python -m pytest tests/test_train.py -k one_process."""
+    """The run's metrics.jsonl against GOLDEN, the recorded log of the same command (recorded on another
+    CPU): every row and field but the timings and memory, to GOLDEN_RTOL. A refactoring changes none of
+    it; a change of behaviour on purpose rerecords it: REGENERATE=1 python -m pytest tests/test_train.py
+    -k one_process."""
     rows = [{k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))} for r in metrics(out)]
     if os.environ.get('REGENERATE'):
         with open(GOLDEN, 'w') as f:
             f.writelines(json.dumps(r) + '\n' for r in rows)
     with open(GOLDEN) as f:
         golden = [json.loads(l) for l in f]
-    assert [sorted(r) for r in rows] == [sorted(g) for g in golden]
+    assert len(rows) == len(golden) and all(set(g) <= set(r) for r, g in zip(rows, golden))  # fields may be added
     for r, g in zip(rows, golden):
-        for k, v in g.items():  # ratio_max and kl_vel are float noise at theta_old (~1e-7, ~1e-13)
-            tol = 1e-6 if k in ('ratio_max', 'kl_vel') else 1e-12
-            assert r[k] == v or math.isclose(r[k], v, rel_tol=1e-5, abs_tol=tol), (r['iter'], k, r[k], v)
+        for k, v in g.items():
+            tol = GOLDEN_NOISE.get(k, 1e-9)
+            assert r[k] == v or math.isclose(r[k], v, rel_tol=GOLDEN_RTOL, abs_tol=tol), (r['iter'], k, r[k], v)
 
 
 def test_toy_one_process_and_exact_resume(tmp_path, monkeypatch):
@@ -224,8 +233,8 @@ def run_here(monkeypatch, args, check=True):
     import contextlib
     import io
     import runpy
-    import preemption
-    import rundir
+    from infra import preemption
+    from infra import rundir
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, 'argv', args)
     monkeypatch.setattr(preemption, 'Preemption', NoPreemption)
@@ -347,8 +356,8 @@ def test_lora_trains_only_adapters_and_exports(tmp_path, monkeypatch):
 
 
 def velocity_of(net, base, prompts=('a red circle moving left',), shape=None):
-    import model as M
-    import toy  # noqa: F401  plugs the toy world (its latent shape and text encoder) into model.py
+    from models import policy as M
+    from models import toy  # noqa: F401  plugs the toy world (its latent shape and text encoder) into model.py
     x = torch.randn(len(prompts), *(shape or M.latent_shape(base, 0, 0, 0)), generator=torch.Generator().manual_seed(0))
     text = M.batch_text(M.encode_prompts(base, list(prompts)), list(prompts), 'cpu')
     with torch.no_grad():
@@ -357,9 +366,9 @@ def velocity_of(net, base, prompts=('a red circle moving left',), shape=None):
 
 def export_matches_policy(exported, out, base, prompts=('a red circle moving left',), shape=None, lora_rank=0, tol=1e-5):
     """The exported transformer's velocity is the policy's of out's newest checkpoint (fp32 export)."""
-    import checkpoint
-    import model as M
-    import toy  # noqa: F401  plugs the toy world (its latent shape and text encoder) into model.py
+    from infra import checkpoint
+    from models import policy as M
+    from models import toy  # noqa: F401  plugs the toy world (its latent shape and text encoder) into model.py
     with open(os.path.join(out, 'latest')) as f:
         ckpt = os.path.join(out, f.read().strip())
     policy = checkpoint.load_weights(ckpt, M.load_policy(base, 'cpu', lora_rank=lora_rank))
@@ -372,7 +381,7 @@ def export_matches_policy(exported, out, base, prompts=('a red circle moving lef
 def unscored(which):
     """toy.reward with the scores of clips `which` (a slice) NaN, the way VideoAlign reports a video it
     failed on."""
-    import toy
+    from models import toy
     score = toy.reward
 
     def reward(frames, prompts, fps=toy.FPS):
@@ -384,7 +393,7 @@ def unscored(which):
 
 
 def test_nan_rewards_are_dropped_reported_and_never_corrupt(tmp_path, monkeypatch):
-    import toy
+    from models import toy
     out = str(tmp_path / 'nan')
     monkeypatch.setattr(toy, 'reward', unscored(slice(1, 2)))
     assert 'rewards are NaN' in run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=2', '--group_size=3'])
@@ -405,11 +414,11 @@ def test_prompt_noise_and_kl_update_settings(tmp_path, monkeypatch):
     # has a seed column entry (the released CSV format), the other none
     csv = tmp_path / 'train.csv'
     csv.write_text('index,prompt,seed\n0,a red circle moving left,1234\n1,"a blue square moving up",\n')
-    import toy
+    from models import toy
     from trust_region import LAM_INIT, LAM_MAX, WARMUP
     shape = toy.LATENT_SHAPE
     out = {}
-    import model
+    from models import policy as model
     inner = model.sample
 
     def recording(policy, x, sigmas, text, *args, keep=False, **kw):  # each rollout's embeddings and x_1
@@ -453,7 +462,8 @@ def test_download_command_in_messages_exists():
     assert hf, 'no hf command next to ' + sys.executable
     p = subprocess.run([hf, 'download', '--help'], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and '--local-dir' in p.stdout
-    import hunyuan15, reward
+    import reward
+    from models import hunyuan15
     assert 'hf download' in hunyuan15.missing('x', 'y', OSError('z')).code
     assert reward.GET_CKPT.startswith('hf download') and reward.GET_QWEN.startswith('hf download')
 
@@ -465,3 +475,15 @@ def test_released_config_is_valid(tmp_path):
              '--sp_size=1', f'--out_dir={tmp_path / "rel"}'], check=False)  # sp 2 needs torchrun
     assert p.returncode != 0 and 'config error' not in p.stdout + p.stderr
     assert 'hf download' in p.stdout + p.stderr, p.stderr[-2000:]
+
+
+def test_fig7_lambda_schedules_are_settings(tmp_path, monkeypatch):
+    """The paper's Fig. 7 schedules as command lines (docs/method.md section 6.4): fixed 1e-5 (start =
+    floor = ceiling, no warm-up) logs 1e-5 at every iteration; two-stage 1e-7 -> 1e-6 warms up linearly to
+    the lower ceiling. The controller's closed form (tests/test_trust_region.py) by hand here."""
+    for args, want in ((['--kl_init=1e-5', '--kl_min=1e-5', '--kl_warmup=0'], lambda k: 1e-5),
+                       (['--kl_max=1e-6', '--kl_warmup=4'], lambda k: 1e-7 + (1e-6 - 1e-7) * k / 4)):
+        d = str(tmp_path / str(len(args)))
+        run_here(monkeypatch, SMALL + [f'--out_dir={d}', '--max_iters=2', '--diag_every=0'] + args)
+        lam = [r['lambda_kl'] for r in metrics(d) if 'reward' in r]
+        assert lam == pytest.approx([want(1), want(2)], rel=1e-9), (args, lam)

@@ -132,3 +132,98 @@ def test_put_block_rewrites_only_its_block(tmp_path):
     for tag in ('bench_x', 'bench_y'):
         C.put_block(path, tag, C.get_block(path, tag))
     assert open(path).read() == before  # get then put: the file is unchanged
+
+
+# ----------------------------------------------------------------------------- bench/paper.py
+def config_settings(path):
+    """The settings a config file sets, read as infra/configurator.py reads one."""
+    ns = {}
+    with open(os.path.join(ROOT, path)) as f:
+        exec(f.read(), {}, ns)
+    return {k: v for k, v in ns.items() if not k.startswith('_')}
+
+
+def test_paper_cells_are_the_papers_recipes():
+    """bench/paper.py's cells: the recipes of config/*.py, bench.verdicts' reference cells and names
+    (so its 5 cached runs are reused), one cell where two would be bitwise the same run, and the order."""
+    bv, bp = load(), load('paper')
+    from trust_region import kl_weights
+    cs = bp.cells()
+    assert len(cs) == 23 and len({bp.name(ov, 0) for ov in cs.values()}) == 23  # every cell a run of its own
+    a = {'reward_weights': config_settings('config/setting_a.py')['reward_weights']}
+    assert bp.SETTING_A == a == {'reward_weights': (1.0, 1.0, 1.0)}
+    fixed = config_settings('config/fixed_kl.py')
+    for k in ('dance', 'flow', 'cps'):
+        recipe = config_settings(f'config/{k}.py')
+        for st, extra in (('B', {}), ('A', a)):
+            assert cs[f'{k} ({st})'] == dict(recipe, **extra)
+            assert cs[f'{k} + fixed KL ({st})'] == dict(recipe, **fixed, **extra)
+    for st, extra in (('B', {}), ('A', a)):
+        assert cs[f'sage ({st})'] == dict(bv.REF, **extra)
+        assert {cs[f'{x} ({st})']['advantage'] for x in ('taros', 'per_component')} == {'taros', 'per_component'}
+    # the reference of Setting B is bench.verdicts' cell: the same settings, the same names, cached
+    assert (bp.iters, bp.prompts, bp.eval_every, bp.seeds, bp.late_iters) == \
+        (bv.iters, bv.prompts, bv.eval_every, bv.seeds, bv.late_iters)
+    for s in range(bp.seeds):
+        assert bp.name(cs['sage (B)'], s) == bv.name(bv.REF, s)
+        assert os.path.exists(os.path.join(ROOT, 'results', 'cells', bv.name(bv.REF, s) + '.json'))
+    assert not any(c in bp.name(cs['sage (A)'], 0) for c in ' ()')  # a tuple: 1.0,1.0,1.0
+    # Fig. 7 (docs/method.md 6.4) and Fig. 8 at the defaults: kl_estimator only where the velocity term is on
+    assert cs['lambda fixed 1e-5'] == dict(bv.REF, kl_init=1e-5, kl_min=1e-5, kl_max=1e-5, kl_warmup=0)
+    assert cs['lambda 1e-7 -> 1e-6'] == dict(bv.REF, kl_max=1e-6)
+    assert kl_weights('moving', 1.0, 0.1)[1] == kl_weights('none', 1.0, 0.1)[1] == 0  # sample = exact there
+    assert all(kl_weights(ov.get('kl_strategy'), 1.0, 0.1)[1] > 0 for ov in cs.values() if 'kl_estimator' in ov)
+    assert not any('updates_per_iter' in ov for ov in cs.values())  # the paper's one optimizer step an iteration
+    assert all(ov.get('kl_max', 1e-5) <= 1e-5 for ov in cs.values() if ov['kl_strategy'] != 'fixed')  # its kl_max
+    # the order of the runs: the advantage at Setting B first, then Table 2 at B; every run once
+    order = bp.todo(cs)
+    assert len(order) == len(set(order)) == 23 * 5
+    assert [lb for lb, _ in order[:15]] == ['sage (B)', 'taros (B)', 'per_component (B)'] * 5
+    assert {lb for lb, _ in order[15:45]} == {f'{k}{kl} (B)' for k in ('dance', 'flow', 'cps') for kl in ('', ' + fixed KL')}
+
+
+def test_paper_report_of_made_up_cells(tmp_path):
+    """The report with some cells run, one with a single seed and most not run: paired verdicts, '-' for
+    the visual metrics a cell lacks, and the alarm from the evals, from a side cell, or not recorded."""
+    bp = load('paper')
+    from bench import common as bc
+    cs = bp.cells()
+    (tmp_path / 'cells').mkdir()
+    spread = [0.0, 0.2, -0.15, 0.1, -0.05]
+    g = torch.Generator().manual_seed(2)
+
+    def put(label, s, shift, alarm_at=None, clip=False):
+        run = fake_run(bc, 0.55 + spread[s], shift)
+        for i, e in enumerate(run['evals']):
+            if clip:
+                e['clipscore'] = 0.3 + shift * e['iter'] / 60
+            if alarm_at is not None:  # recorded: a list at every evaluation, the base's included
+                e.update(alarm=['VQ'] if i == alarm_at else [], watch_flagged=[])
+        (tmp_path / 'cells' / f'{bp.name(cs[label], s)}.json').write_text(json.dumps(run))
+    for s in range(5):
+        put('sage (B)', s, 0.2, clip=True)  # before the alarm existed: not recorded
+        put('taros (B)', s, 0.25 + 0.003 * torch.randn(1, generator=g).item(), alarm_at=4 if s < 2 else -1, clip=True)
+        put('per_component (B)', s, 0.15 + 0.003 * torch.randn(1, generator=g).item())
+        side = dict(evals=[dict(iter=i, alarm=[], watch_flagged=[]) for i in range(0, 61, 5)], model_hash=bc.MODEL_HASH)
+        (tmp_path / 'cells' / f'alarm_{bp.name(cs["per_component (B)"], s)}.json').write_text(json.dumps(side))
+    put('flow (B)', 0, 0.1)  # one seed so far
+    p = subprocess.run([sys.executable, '-m', 'bench.paper', '--run=False', f'--out={tmp_path}'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / 'paper.json').read_text())
+    adv, t2 = res['comparisons']['advB'], res['comparisons']['t2B']
+    assert adv['sage (B) vs taros (B)']['composite']['verdict'] == 'fails'  # taros better on every seed
+    assert adv['sage (B) vs per_component (B)']['composite']['verdict'] == 'holds'
+    assert adv['sage (B) vs per_component (B)']['manifold']['verdict'] == 'holds'  # lower is better
+    assert adv['sage (B) vs taros (B)']['CLIPScore']['verdict'] == 'fails'
+    assert adv['sage (B) vs taros (B)']['PickScore'] is None and adv['sage (B) vs per_component (B)']['CLIPScore'] is None
+    assert t2['sage (B) vs flow (B)']['composite']['verdict'] == 'too few seeds yet'
+    assert t2['sage (B) vs dance (B)']['composite']['verdict'] == 'not run'
+    al = res['alarms']
+    assert al['taros (B)'][:3] == [dict(evals=4, iter=20, watchers=['VQ'])] * 2 + ['never']
+    assert al['sage (B)'] == ['not recorded'] * 5 and al['per_component (B)'] == ['never'] * 5
+    assert al['taros (A)'] == [None] * 5
+    md = (tmp_path / 'paper.md').read_text()
+    assert '**Incomplete**: 99 of 115 runs' in md and '| dance (B) | not run |' in md
+    assert 's0: 4 (iteration 20: VQ)' in md and '| sage (B) | 5 | not recorded |' in md
+    assert res['have']['flow (B)'] == 1 and not (tmp_path / 'README.md').exists()  # only out='results' writes it

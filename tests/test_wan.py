@@ -30,7 +30,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from transformers import AutoTokenizer
 
-import model
+from models import policy as model
 import sde
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -123,7 +123,7 @@ def test_attention_settings_run_wans_processor_on_their_backend(roots, pipes):
     # velocity; attention_backend reaches every self- and cross-attention (a backend left unset
     # would run torch's default kernel); sequence parallel refuses a backend without diffusers'
     # Ulysses (each rank would attend within its own tokens, silently); a bad value is one line
-    import wan
+    from models import wan
     root, pipe = roots['2.1'], pipes['2.1']
     g = torch.Generator().manual_seed(1)
     x, s = torch.randn(2, *SIZES['2.1'], generator=g), torch.tensor([0.8, 0.2])

@@ -7,6 +7,7 @@ so anything that loads Wan-AI/Wan2.1-T2V-1.3B-Diffusers from a directory loads t
     from tiny_wan import make_tiny_wan
     root = make_tiny_wan(tmp_path)              # Wan 2.1: VAE z_dim 16, 8x spatial
     root = make_tiny_wan(tmp_path, TINY_22)     # Wan 2.2 TI2V-5B's layout: z_dim 48, 16x, per-token timesteps
+    root = make_tiny_wan(tmp_path, TINY_A14B)   # Wan 2.2 T2V-A14B's: two experts, boundary_ratio 0.875
 
 Sizes as diffusers' own Wan tests build them (transformer patch (1, 2, 2), 2 heads x 12, 16 channels,
 ffn 32, 2 layers, rope_max_seq_len 32; VAE base_dim 3), with a UMT5 encoder of d_model 16 in place
@@ -46,6 +47,10 @@ TINY_22 = dict(TINY, expand_timesteps=True, vae=dict(
     latents_mean=[round(0.05 * i - 1.2, 4) for i in range(48)],
     latents_std=[round(0.5 + 0.03 * i, 4) for i in range(48)]))
 
+# Wan 2.2 T2V-A14B's layout: Wan 2.1's parts with a second expert (transformer_2, other random weights)
+# and the pipeline's boundary_ratio (0.875 released)
+TINY_A14B = dict(TINY, boundary_ratio=0.875)
+
 
 def make_tokenizer(words=WORDS):
     """T5Tokenizer over a word-level Unigram vocabulary (see the module docstring); len = 3 + 1 +
@@ -83,12 +88,18 @@ def make_tiny_pipeline(sizes=TINY):
     transformer = _cast(WanTransformer3DModel(
         in_channels=C, out_channels=C, text_dim=sizes['text']['d_model'], **sizes['transformer']),
         sizes['transformer_dtype']).eval()
+    two = {}
+    if sizes.get('boundary_ratio') is not None:  # Wan 2.2 A14B: the low-noise expert, its own weights
+        torch.manual_seed(SEED + 3)
+        two = dict(boundary_ratio=sizes['boundary_ratio'], transformer_2=_cast(WanTransformer3DModel(
+            in_channels=C, out_channels=C, text_dim=sizes['text']['d_model'], **sizes['transformer']),
+            sizes['transformer_dtype']).eval())
 
     # the released scheduler (UniPC on flow sigmas, flow_shift 3.0); this project samples with its own
     # Euler / SDE steps (wan.py), the tests compare them with FlowMatchEulerDiscreteScheduler
     scheduler = UniPCMultistepScheduler(prediction_type='flow_prediction', use_flow_sigmas=True, flow_shift=3.0)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, expand_timesteps=sizes['expand_timesteps'])
+                       transformer=transformer, expand_timesteps=sizes['expand_timesteps'], **two)
 
 
 def make_tiny_wan(root, sizes=TINY):
@@ -105,7 +116,7 @@ def make_tiny_wan(root, sizes=TINY):
     return root
 
 
-if __name__ == '__main__':  # python tests/tiny_wan.py /tmp/tiny_wan [2.2]
+if __name__ == '__main__':  # python tests/tiny_wan.py /tmp/tiny_wan [2.2 | a14b]
     import sys
     print(make_tiny_wan(sys.argv[1] if len(sys.argv) > 1 else '/tmp/tiny_wan',
-                        TINY_22 if '2.2' in sys.argv[2:] else TINY))
+                        TINY_22 if '2.2' in sys.argv[2:] else TINY_A14B if 'a14b' in sys.argv[2:] else TINY))
