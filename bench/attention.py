@@ -10,7 +10,7 @@ own, masked keys, valid tokens) on each dispatcher backend the GPU has, with the
 
 bench/gpu_check.py runs the --gpu line as one of its phases.
 
-FLOPs: one real-width block (16 heads x 128, bf16) runs on fake tensors under bench.fullsize's
+FLOPs: one real-width block (16 heads x 128, bf16) runs on fake tensors under bench.fullsize_measure's
 FlopCount (torch's per-op formulas) with MaskedKeysAttention and with ValidTokensAttention, for a CFG
 pair (a prompt and the negative prompt, padded to the longer as model.batch_text pads them), at
 81x352x624 (18,018 video tokens) and 81x480x848 (33,390); x 54 blocks is the blocks' cost of a pass
@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import table
-from configurator import configure
+from infra.configurator import configure
 
 # ----------------------------------------------------------------------------- settings
 gpu = False                     # --gpu: time the processors on a device instead of counting FLOPs
-tiny = False                    # --tiny: bench.fullsize's tiny transformer, 9x64x96 (a check of this script)
+tiny = False                    # --tiny: bench.fullsize_gpu's tiny transformer, 9x64x96 (a check of this script)
 device = 'cuda'                 # device of the timing
 video_sizes = ((81, 352, 624), (81, 480, 848))  # frames x H x W: the paper's rollout size, the model's 480p
 prompt = (256, 32)              # valid Qwen and ByT5 tokens of the prompt (ByT5: quoted text)
@@ -59,8 +59,9 @@ DENSE_LIMIT = 8192  # tokens above which _native_math and flex are not tried (S 
 
 def shapes(Fr, H, W, small=False):
     """(heads, head dim, video tokens, rope axes) of the block at a clip size."""
-    from bench import fullsize as bf
-    cfg = bf.TINY if small else bf.load_config()
+    from bench import fullsize_measure as bf
+    from bench.fullsize_gpu import TINY
+    cfg = TINY if small else bf.load_config()
     return (cfg['num_attention_heads'], cfg['attention_head_dim'], bf.video_tokens(Fr, H, W),
             tuple(cfg.get('rope_axes_dim', (16, 56, 56))), (((Fr - 1) // 4 + 1), H // 16, W // 16))
 
@@ -91,8 +92,8 @@ def block_flops(Fr, H, W, text, neg, kind, small=False):
     """FLOPs of one block's forward and forward + backward for the CFG pair (text, neg), each
     (Qwen, ByT5) valid tokens, with the blocks' attention `kind`, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from bench import fullsize as bf
-    from hunyuan15 import IMAGE_TOKENS, set_attention
+    from bench import fullsize_measure as bf
+    from models.hunyuan15 import IMAGE_TOKENS, set_attention
     from types import SimpleNamespace
     heads, d, V, axes, grid = shapes(Fr, H, W, small)
     n = [sum(text), sum(neg)]  # valid text tokens of each branch (the image token is masked)
@@ -114,7 +115,7 @@ def block_flops(Fr, H, W, text, neg, kind, small=False):
 
 
 def flops_report():
-    from bench import fullsize as bf
+    from bench import fullsize_measure as bf
     cfg = bf.load_config()
     L, hd = cfg['num_layers'], cfg['num_attention_heads'] * cfg['attention_head_dim']
     rows, raw = [], []
@@ -186,8 +187,8 @@ def kernels(fn, cuda):
 def time_all():
     """Every processor x backend this device runs, at each size: a list of result dicts."""
     from types import SimpleNamespace
-    from attention import check
-    from hunyuan15 import IMAGE_TOKENS, set_attention
+    from models.attention import check
+    from models.hunyuan15 import IMAGE_TOKENS, set_attention
     cuda, t_start = device.startswith('cuda'), time.time()
     dtype = torch.bfloat16 if cuda else torch.float32
     avail = {}

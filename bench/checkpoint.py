@@ -127,7 +127,7 @@ def old_load(path, model, optimizer, anchor):
 def worker(layers, heads, impl, phase, path, result):
     """Build the training state, then save it to path or resume from it; write result JSON."""
     import torch.distributed as dist
-    import checkpoint
+    from infra import checkpoint
     from diffusers import HunyuanVideo15Transformer3DModel as T
     from trust_region import Anchor
     ddp = 'RANK' in os.environ
@@ -211,7 +211,7 @@ def fake_encode(model, prompts, device='cpu', sink=None, chunk=256):
 def prompt_worker(kind, path, n, reads, result):
     """One rank's view of the cache: open it, read `reads` prompts (a rank's share of some
     iterations); old: torch.load of the whole cache file. Peak RSS and seconds."""
-    import prompt_cache
+    from infra import prompt_cache
     base = rss()
     prompts = [f'synthetic prompt {i}' for i in range(n)]
     t0 = time.perf_counter()
@@ -233,7 +233,7 @@ def bench_prompt_cache():
     """Write caches of 100 and 10,000 synthetic prompts once (rank 0's job), then measure one
     rank's open time and memory; the single-file cache is measured where it fits in RAM."""
     import shutil
-    import prompt_cache
+    from infra import prompt_cache
     res = {}
     per_prompt = PROMPT_TOKENS * PROMPT_DIM * 2  # bytes of the embeddings (bf16)
     for n in PROMPT_COUNTS:
@@ -263,7 +263,7 @@ def bench_prompt_cache():
             os.remove(os.path.join(work, f'prompts_{n}.pt'))
         res[n] = row
         print(f'prompt cache {n}: written in {t_write:.1f} s', flush=True)
-    md = ['', '### Prompt-embedding cache (prompt_cache.py)', '',
+    md = ['', '### Prompt-embedding cache (infra/prompt_cache.py)', '',
           f'Synthetic prompts of {per_prompt / 1e6:.1f} MB each ({PROMPT_TOKENS} x {PROMPT_DIM} bf16). One rank opens the '
           f'cache and reads {PROMPT_READS} prompts scattered over it (a rank\'s share of many iterations), every byte of them; memory = peak RSS '
           'minus the RSS before, in a fresh process (it counts the memory-mapped pages read, shared by the ranks through the OS). `old`: one torch.save\'d file that every rank torch.loads whole '
@@ -386,7 +386,7 @@ def main():
         bold.append(f'Disk per checkpoint at {TARGET_P / 1e9:.1f}B: about {disk:.0f} GB ({disk / TARGET_P * 1e9:.1f} bytes a '
                     f'parameter as written at {run["P"] / 1e6:.0f}M: fp32 weights, AdamW moments, anchor), '
                     f'1/{TARGET_N} of it written by each rank; `keep_checkpoints` of them stay.')
-        C.put_block('README.md', 'bench.checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (prompt_cache.py): ' + '; '.join(
+        C.put_block('README.md', 'bench.checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (infra/prompt_cache.py): ' + '; '.join(
             f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
             f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) +
             '. How, and every config: [results/checkpoint.md](results/checkpoint.md).'])
@@ -397,6 +397,6 @@ if __name__ == '__main__':
     if len(sys.argv) > 2 and sys.argv[1] in ('--worker', '--prompt-worker'):
         (worker if sys.argv[1] == '--worker' else prompt_worker)(*json.loads(sys.argv[2]))
     else:
-        from configurator import configure
+        from infra.configurator import configure
         configure(globals())
         main()

@@ -15,6 +15,10 @@ train() runs train.py as a user runs it (a subprocess, no hooks inside) and keep
 
 put_block() rewrites the generated block of a Markdown file (README.md, results/README.md) that a
 bench owns: figures in the README come from the files a bench wrote, never retyped.
+
+share() hands a bench script's settings to the modules it is made of (bench/fullsize_*.py,
+bench/toy_*.py): each keeps its settings at its top, the script imports them so that its command
+line sets them, and hands the values back once configured.
 """
 import hashlib
 import json
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import time
 
-import toy
+from models import toy
 
 OUT = 'results'        # where cells/ and runs/ live (setup() sets it)
 THREADS = 1            # torch CPU threads of every train.py started
@@ -112,6 +116,15 @@ def put_block(path, tag, lines):
     os.replace(path + '.tmp', path)  # atomic: a killed bench never leaves half a README
 
 
+def share(settings, *modules):
+    """Set each module's setting of a name in `settings` (a module constant of a plain type, as
+    infra/configurator.py counts settings) to its value: the script's configured one."""
+    plain = (bool, int, float, str, tuple, list, type(None))
+    for m in modules:
+        g = vars(m)
+        g.update({k: v for k, v in settings.items() if k in g and isinstance(g[k], plain)})
+
+
 def over_budget():
     return bool(BUDGET_MIN) and time.time() - T_START > 60 * BUDGET_MIN
 
@@ -145,7 +158,8 @@ def train(name, overrides, nproc=1):
             if f not in ('metrics.jsonl', 'config.json', 'log.txt'):
                 shutil.rmtree(os.path.join(run_dir, f), ignore_errors=True) if os.path.isdir(os.path.join(run_dir, f)) \
                     else os.remove(os.path.join(run_dir, f))
-        evals = [dict(iter=r['iter'], **{k[5:]: v for k, v in r.items() if k.startswith('eval_')})
+        evals = [dict(iter=r['iter'], **{k[5:]: v for k, v in r.items() if k.startswith('eval_')},
+                      **{k: r[k] for k in ('alarm', 'watch_flagged') if k in r})  # the reward-hacking alarm's
                  for r in rows if 'eval_composite' in r]  # iteration 0 (the base model) first
         return dict(overrides=overrides, wall=wall, iters=[r for r in rows if 'reward' in r], evals=evals,
                     before={k: v for k, v in evals[0].items() if k != 'iter'},

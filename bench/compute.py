@@ -51,11 +51,11 @@ import tempfile
 import torch
 
 import sde
-import toy
+from models import toy
 from bench import common as C
 from bench.common import table
 from bench.fullsize import gpu_hours, tflops as TFLOPS
-from configurator import configure, number
+from infra.configurator import configure, number
 
 _argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts reads the command line when imported: not ours
 from bench.verdicts import fmt, paired, t975  # noqa: E402  the paired-seed statistics

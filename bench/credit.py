@@ -22,10 +22,10 @@ import time
 
 import torch
 
-import credit
+from extras import credit
 import reward
-import toy
-from configurator import configure
+from models import toy
+from infra.configurator import configure
 
 out = 'results'  # output folder
 repeats = 3      # timing repeats (the median is reported)

@@ -1,5 +1,5 @@
 """
-The one prepared command for a lent GPU machine: the stand-in measurement (bench/fullsize.py --gpu),
+The one prepared command for a lent GPU machine: the stand-in measurement (bench/fullsize_gpu.py),
 the blocks' attention timed per processor and backend (bench/attention.py --gpu), then the program
 itself, train.py and sample.py, as a user runs them on one GPU.
 
@@ -14,7 +14,7 @@ otherwise bench/rehearsal.py's random models at real width built here (cached in
 LoRA (config/lora_1gpu.py, the one-GPU setting), 1 on a CPU.
 Phases, each a subprocess (its own CUDA peak: torch.cuda.max_memory_allocated at its exit, and the
 peak resident memory of its process tree; wall time):
-1. fullsize: `python -m bench.fullsize --gpu` (on a CPU: with --tiny), the stand-in forward + step
+1. fullsize: `python -m bench.fullsize_gpu` (on a CPU: with --tiny), the stand-in forward + step
    attention: `python -m bench.attention --gpu` (on a CPU: with --tiny), one block's forward +
    backward per processor and backend -> results/attention_gpu.md (alone: that command)
 2. build: the rehearsal's models (skipped with real weights; cached)
@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from configurator import configure
+from infra.configurator import configure
 
 # ----------------------------------------------------------------------------- settings
 device = 'cuda'                 # 'cuda' (one GPU) or 'cpu' (the check of this script)
@@ -42,7 +42,7 @@ num_frames = 9                  # the video of the check: 9 frames at 64x112 -> 
 height = 64
 width = 112
 num_steps = 2                   # sampler steps (both trained)
-fullsize = True                 # run bench.fullsize --gpu first (the stand-in measurement)
+fullsize = True                 # run bench.fullsize_gpu first (the stand-in measurement)
 time_attention = True           # run bench.attention --gpu (the blocks' attention timed per backend)
 cache_dir = '/tmp/sage-rehearsal/models'  # the random models (bench/rehearsal.py builds them)
 work_dir = '/tmp/sage-gpu-check'  # train.py's out_dir and sample.py's output (wiped at the start)
@@ -94,7 +94,7 @@ def main():
             raise SystemExit(f'{name} failed (exit {r["rc"]}): {r["log"]}')
 
     if fullsize and not tiny:
-        phase('fullsize', [py, '-m', 'bench.fullsize', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
+        phase('fullsize', [py, '-m', 'bench.fullsize_gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
     if time_attention and not tiny:
         phase('attention', [py, '-m', 'bench.attention', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
     if real:

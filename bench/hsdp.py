@@ -8,7 +8,7 @@ default), each without and with sequence parallel 2, measured by torch on fake t
     python -m bench.hsdp --report_only=True    # the report and README block from results/hsdp.json
     python -m bench.hsdp --tiny=True           # a 2-block config, ~2 min: into /tmp/bench_hsdp_tiny
 
-How: bench.fullsize.measure runs the micro-step as train.py does (the anchor's forward without grad,
+How: bench.fullsize_measure.measure runs the micro-step as train.py does (the anchor's forward without grad,
 the policy's forward with both CFG branches, backward with per-block checkpointing, clip, AdamW) over
 a fake process group of 64 ranks played by this process, FSDP2 by model.shard; its FSDP mesh,
 init_device_mesh('cpu', (64,)), is here the (replicate, shard) mesh parallel.fsdp_mesh builds for
@@ -23,8 +23,8 @@ ring's slowest hop) and counts as across nodes. The count is checked against the
 FSDP2's traffic (closed_form: bf16 all-gathers of the weights in each forward and the backward,
 an fp32 reduce-scatter of the gradients, HSDP's all-reduce of the gradient shards) in the report.
 
-Where it differs from 64 GPUs: no GPU ran it (bench/fullsize.py's caveats apply); the optimizer is
-AdamW (bench.fullsize's micro-step): Muon's per-optimizer-step all-gather of every 2-D gradient
+Where it differs from 64 GPUs: no GPU ran it (bench/fullsize_measure.py's caveats apply); the optimizer is
+AdamW (bench.fullsize_measure's micro-step): Muon's per-optimizer-step all-gather of every 2-D gradient
 (optimizer.py) is not in a micro-step; flat, it spans all 64 ranks, under HSDP the shard group only.
 """
 import json
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops, funcol_native
 
 from bench import common as C
-from bench import fullsize as FS
-from configurator import configure
+from bench import fullsize_measure as FS
+from infra.configurator import configure
 
 # ----------------------------------------------------------------------------- settings
 out_dir = 'results'             # hsdp.md and hsdp.json go here
@@ -96,7 +96,7 @@ def _traffic(func, args):
 
 
 class Counted(FS.FlopCount):
-    """bench.fullsize's FLOP counter that also records every collective (see the module docstring)."""
+    """bench.fullsize_measure's FLOP counter that also records every collective (see the module docstring)."""
     calls = []  # (kind, ranks, bytes) of the run in progress
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -109,7 +109,7 @@ class Counted(FS.FlopCount):
 
 @contextmanager
 def counted(shard):
-    """bench.fullsize.measure with collectives recorded, and its FSDP mesh (world,) replaced by the
+    """bench.fullsize_measure.measure with collectives recorded, and its FSDP mesh (world,) replaced by the
     HSDP mesh (world / shard, shard) when shard < world (parallel.fsdp_mesh's)."""
     import torch.distributed.device_mesh as dm
     plain, flops = dm.init_device_mesh, FS.FlopCount

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from configurator import configure
+from infra.configurator import configure
 
 # ----------------------------------------------------------------------------- settings
 out = 'results'                 # nodes.md and nodes.json go here
@@ -175,7 +175,7 @@ def standalone(args, nproc, timeout=900):
 
 
 def weights(ckpt):
-    import checkpoint
+    from infra import checkpoint
     return checkpoint.read_tensors(ckpt)
 
 

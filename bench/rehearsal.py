@@ -62,7 +62,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests'))
 import torch  # noqa: E402
 
-from configurator import configure, one_of  # noqa: E402
+from infra.configurator import configure, one_of  # noqa: E402
 
 # ----------------------------------------------------------------------------- settings
 cache_dir = '/tmp/sage-rehearsal/models'  # the built models (outside git; reused by later runs)
@@ -253,8 +253,8 @@ def metrics_rows(run_dir):
 
 def checks(fam, d, run_dir, sample_dir, logs):
     """What only the real widths show, read back from what the runs wrote (fam: 'hunyuan' or 'wan')."""
-    import prompt_cache
-    from model import latent_shape
+    from infra import prompt_cache
+    from models.policy import latent_shape
     out = {}
     cache = prompt_cache.PromptCache(os.path.join(run_dir, 'prompt_cache'))
     text = cache[PROMPTS['train'][0]]  # (embeds, mask) pairs: Qwen and ByT5, or UMT5

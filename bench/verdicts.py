@@ -40,7 +40,7 @@ import torch
 
 from bench import common as C
 from bench.common import table
-from configurator import configure
+from infra.configurator import configure
 
 # ----------------------------------------------------------------------------- settings
 out = 'results'         # cells/ (committed), runs/ (not), verdicts.md/.json, verdict_*.png
