@@ -6,14 +6,15 @@ reference (sage + equalizer + dual KL at the defaults) by bench.verdicts' paired
 share a seed share prompts and noises, and each row is the per-seed difference, its mean and 95% t
 interval over the seeds, positive = the reference is better.
 
-    python -m bench.paper                          # every cell: 22 new configs x 5 seeds x 60 iterations (~11 CPU-hours)
+    python -m bench.paper                          # every cell: 24 new configs x 5 seeds x 60 iterations (~12 CPU-hours)
     python -m bench.paper --budget_min=100         # start no new run after 100 min; rerun to go on (cells are cached)
     python -m bench.paper --workers=2 --worker=1   # with --worker=0 beside it: 2 processes on 2 cores
     python -m bench.paper --groups=advB,t2B        # only these groups' cells, in this order
     python -m bench.paper --run=False              # only the report, from the cells cached
     python -m bench.paper --quick                  # smoke test: 4 cells x 2 seeds x 2 iterations, into /tmp/paper_quick
 
-Writes results/paper.md and .json and the bench.paper block of README.md (appended at its end by
+Writes results/paper.md and .json, results/paper_<group>.png (the paired difference over iterations) and
+paper_curves.png (every cell's mean curve), and the bench.paper block of README.md (appended at its end by
 bench.common.put_block if the markers are absent); --quick and any other --out write only their out dir.
 
 The cells (config/toy.py otherwise; 8 prompts x G=4, 60 iterations, an evaluation every 5: bench.verdicts'
@@ -35,10 +36,16 @@ settings and its cell names, so the 5 cached reference cells of Setting B are re
     it enters the lambda controller, so they are equal in expectation, not bitwise by construction.
  4. Advantage: 'taros' and 'per_component' against 'grpo' (the reference), under Setting B and under
     Setting A; also the number of held-out evaluations until the reward-hacking alarm trips (docs 11.1).
-23 cells in all, 22 of them new: 110 runs of ~6 min on one core (~11 CPU-hours; ~5.5 h on 2 workers).
+    The cached reference cells of Setting B were trained before the alarm existed: each is trained again
+    (the cell rerun_<name>) for its alarm, and the report says how far the rerun's evaluations are from the
+    cached ones (the current code reproducing the reference).
+ 5. The released loop's choices that this project does not default to (docs/method.md 6.1): its fixed
+    initial noises per prompt (prompt_noise 'fixed') and its lower median (median 'lower'), against the
+    defaults.
+25 cells in all, 24 of them new: 125 runs of ~6 min on one core (~12 CPU-hours; ~8 h on 2 workers).
 
 Order of the runs: the groups in the order of --groups (the advantage at Setting B first, then Table 2 at
-B, the advantage at A, Table 2 at A, Fig. 8, Fig. 7), each seed-major within its group, so a budget cut
+B, the advantage at A, Table 2 at A, Fig. 8, Fig. 7, the released choices), each seed-major within its group, so a budget cut
 leaves the most important comparisons complete and every cell of a group at the same seed count.
 --workers/--worker split that list (cached runs included, so a rerun with the same split goes on where it
 stopped).
@@ -82,14 +89,14 @@ iters = 60              # max_iters of a run (bench.verdicts': its reference cel
 prompts = 8             # prompts_per_iter (x G=4: 32 clips an iteration), as bench.verdicts
 eval_every = 5          # held-out evaluation every k iterations, as bench.verdicts
 late_iters = 20         # a run's composite, VQ, manifold = the mean of its evaluations at iterations >= iters - 20
-groups = 'advB,t2B,advA,t2A,fig8,fig7'  # the groups whose cells run, in this order (the report shows all)
+groups = 'advB,t2B,advA,t2A,fig8,fig7,released'  # the groups whose cells run, in this order (the report shows all)
 budget_min = 0.0        # start no new training run after this many minutes (0: no limit)
 worker = 0              # this process runs runs worker, worker + workers, ... of the ordered list
 workers = 1             # 2 cores -> 2 processes (--worker=0 and --worker=1 --workers=2), each 1 thread
 run = True              # False: only the report, from the cells already cached
 threads = 1             # torch threads of every train.py
 quick = False           # smoke test: 4 cells x 2 seeds x 2 iterations of 2 prompts, 4 eval prompts, into /tmp/paper_quick
-GROUPS = ('advB', 't2B', 'advA', 't2A', 'fig8', 'fig7')
+GROUPS = ('advB', 't2B', 'advA', 't2A', 'fig8', 'fig7', 'released')
 config = configure(globals(), [a + '=True' if a == '--quick' else
                                f"--groups={a.split('=', 1)[1]!r}" if a.startswith('--groups=') else a
                                for a in sys.argv[1:]],
@@ -133,6 +140,8 @@ def cells():
     c['dual + sample KL'] = dict(REF, kl_estimator='sample')
     c['moving'] = dict(REF, kl_strategy='moving')  # either estimator: the velocity term is off
     c['none'] = dict(REF, kl_strategy='none')      # either estimator: no KL term at all
+    c['prompt_noise fixed'] = dict(REF, prompt_noise='fixed')  # the released seeding (docs/method.md 6.1)
+    c['median lower'] = dict(REF, median='lower')              # the released equalizer median
     return c
 
 
@@ -157,6 +166,10 @@ def comparisons():
          'GRPO\'s advantage (the paper\'s) beats taros and per_component (fails: the alternative is better)', adv('B'), BASE),
         ('advA', '4', 'Advantage, Setting A (reference: grpo)',
          'GRPO\'s advantage (the paper\'s) beats taros and per_component (fails: the alternative is better)', adv('A'), BASE),
+        ('released', '5', 'The released loop\'s seeding and median (reference: this project\'s defaults)',
+         'fresh initial noise every iteration beats the released fixed noises per prompt, and numpy\'s median '
+         'the released lower one (fails: the released choice is better)',
+         [('sage (B)', 'prompt_noise fixed'), ('sage (B)', 'median lower')], BASE + ('explore',)),
     ]
 
 
@@ -170,7 +183,9 @@ def name(ov, s):
 
 
 def todo(cs):
-    """[(label, seed)] of the groups in --groups order, seed-major within a group, each run once."""
+    """[(label, seed, rerun)] of the groups in --groups order, seed-major within a group, each run once.
+    rerun: in the advantage groups, a cached cell trained before the alarm existed is trained again as the
+    cell rerun_<name>, for its alarm, and to show that the current code reproduces it (the report)."""
     want = {k: [l for p in pairs for l in p] for k, _, _, _, pairs, _ in comparisons()}
     seen, res = set(), []
     for g in [g.strip() for g in groups.split(',') if g.strip()]:
@@ -179,18 +194,25 @@ def todo(cs):
             for label in labels:
                 if name(cs[label], s) not in seen:
                     seen.add(name(cs[label], s))
-                    res.append((label, s))
+                    res.append((label, s, False))
+        for s in range(seeds) if g.startswith('adv') else ():
+            for label in labels:
+                run, nm = C.cached(name(cs[label], s)), name(cs[label], s)
+                if run and not all('alarm' in e for e in run['evals']) and not C.cached('alarm_' + nm) \
+                        and 'rerun_' + nm not in seen:
+                    seen.add('rerun_' + nm)
+                    res.append((label, s, True))
     return res
 
 
 def train_all(cs):
     common = dict(max_iters=iters, prompts_per_iter=prompts, eval_every=eval_every, save_every=0, eval_videos=0, **EXTRA)
-    for label, s in todo(cs)[worker::workers]:  # a cached run is skipped: rerun with the same split to go on
+    for label, s, rerun in todo(cs)[worker::workers]:  # a cached run is skipped: rerun with the same split to go on
         if C.over_budget():
             print(f'over the time budget of {budget_min} min: no new runs', flush=True)
             break
         nm = name(cs[label], s)
-        if C.train(nm, dict(common, **cs[label], seed=s)) is not None:
+        if C.train(('rerun_' if rerun else '') + nm, dict(common, **cs[label], seed=s)) is not None and not rerun:
             keep_alarm(nm)
 
 
@@ -213,7 +235,8 @@ def keep_alarm(nm):
 
 def alarm_of(nm, run):
     """'not recorded' | 'never' | {evals: held-out evaluations after the base until it tripped, iter, watchers}."""
-    rows = run['evals'] if all('alarm' in e for e in run['evals']) else (C.cached('alarm_' + nm) or {}).get('evals')
+    rows = run['evals'] if all('alarm' in e for e in run['evals']) else \
+        (C.cached('alarm_' + nm) or C.cached('rerun_' + nm) or {}).get('evals')
     if not rows:
         return 'not recorded'
     k = next((i for i, e in enumerate(rows) if e['alarm']), None)  # rows[0]: iteration 0, the base model
@@ -291,7 +314,7 @@ def report(cs):
         sentence = (f'**{num}. {title}**, *{claim}* (held-out composite): '
                     f'{V.grouped([(b, w, V.fmt(ci)) for b, w, ci in claimed])}.')
         res['claims'].append(sentence)
-        res['short'].append(V.short_row(f'{num}. {title.split(" (")[0]}', claimed))
+        res['short'].append(V.short_row(f'{num}. {claim.split(" (fails")[0]} ({title.split(" (")[0]})', claimed))
         md += [f'### {num}. {title}', '', f'*{claim}*', '',
                table(['reference', 'vs', 'seeds'] + [f'Δ {m} [95%]' for m in metrics], rows), '', sentence, '']
         if key.startswith('adv'):  # the alarm: held-out evaluations (after the base's) until it trips
@@ -309,27 +332,89 @@ def report(cs):
                    f'model\'s whose `alarm` is not empty; one every {eval_every} iterations; never: not within the run; '
                    'not recorded: a cell trained before the alarm existed):', '',
                    table(['cell', 'seeds', 'tripped', 'evaluations until it trips, per seed'], rows), '']
+            md += reproduced(runs, cs, pairs)
+    plots(runs)
+    md += ['Plots: `paper_<group>.png` (the paired difference in held-out composite over iterations, mean and 95% band, '
+           'one curve a comparison) and `paper_curves.png` (the mean held-out composite of every cell).', '']
     return res, md, have
 
 
+def reproduced(runs, cs, pairs):
+    """A line on the cells trained again for their alarm (todo()'s rerun_): how far the current code's
+    evaluations are from the cached ones (0: the same run, bitwise in its logged figures)."""
+    diffs = []
+    for label in dict.fromkeys(l for p in pairs for l in p):
+        for s, r in enumerate(runs[label]):
+            again = r and C.cached('rerun_' + name(cs[label], s))
+            if again:
+                diffs.append(max(abs(a[k] - b[k]) for a, b in zip(r['evals'], again['evals'])
+                                 for k in ('composite', 'VQ', 'MQ', 'TA', 'manifold')))
+    if not diffs:
+        return []
+    return [f'Trained again for the alarm (cells cached before it existed): {len(diffs)} runs; the largest difference '
+            f'of any held-out composite, VQ, MQ, TA or manifold distance from the cached run: {max(diffs):.1e}.', '']
+
+
+def plots(runs):
+    """paper_<group>.png: per comparison group, the paired Δ composite over iterations (bench.verdicts'
+    curve_of); paper_curves.png: the mean held-out composite of every cell, one panel a group."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:  # the tables are written all the same
+        return
+    comps = comparisons()
+    for key, num, title, claim, pairs, metrics in comps:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for a, b in pairs:
+            cv = V.curve_of(runs, a, b)  # None: fewer than 2 paired seeds
+            if cv:
+                x, cis = cv
+                ax.plot(x, [c['mean'] for c in cis], marker='.', label=f'{ALIAS.get(a, a) if len(pairs) > 2 else a} - {b}')
+                ax.fill_between(x, [c['lo'] for c in cis], [c['hi'] for c in cis], alpha=0.12)
+        ax.axhline(0, color='k', lw=0.8)
+        ax.set(xlabel='iteration', ylabel='Δ held-out composite (> 0: reference better)')
+        if ax.lines[:-1]:
+            ax.legend(fontsize=6)
+        ax.set_title(f'{num}. {title}', fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, f'paper_{key}.png'), dpi=100)
+        plt.close(fig)
+    fig, axs = plt.subplots(2, (len(comps) + 1) // 2, figsize=(4 * ((len(comps) + 1) // 2), 6.4))
+    for ax, (key, num, title, claim, pairs, metrics) in zip(axs.flatten(), comps):
+        for label in dict.fromkeys(l for p in pairs for l in p):
+            rs = [r for r in runs[label] if r]
+            if rs:
+                its = [e['iter'] for e in rs[0]['evals']]
+                ax.plot(its, [sum(r['evals'][i]['composite'] for r in rs) / len(rs) for i in range(len(its))],
+                        marker='.', ms=3, label=f'{label} ({len(rs)})', lw=2 if label == pairs[0][0] else 1)
+        ax.set_title(f'{num}. {title.split(" (")[0]}', fontsize=8)
+        ax.set(xlabel='iteration')
+        if ax.lines:
+            ax.legend(fontsize=5)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, 'paper_curves.png'), dpi=100)
+    plt.close(fig)
+
+
 def readme_lines(res, note):
-    """The README's block: one row a comparison; the intervals, every cell and the alarm are results/paper.md's."""
+    """The README's block: a table of the same shape as bench.verdicts' (a row a comparison, the cells the claim
+    holds, fails and cannot be told against), then the alarm; the intervals and every cell: results/paper.md."""
     alarms = []
     for label, per in res['alarms'].items():
-        ran = [a for a in per if a is not None]
-        rec = [a for a in ran if a != 'not recorded']
+        rec = [a for a in per if a is not None and a != 'not recorded']
         if rec:
             alarms.append(f'{label} {sum(isinstance(a, dict) for a in rec)}/{len(rec)}')
-    rows = [r for r in res['short'] if '(not run)' not in ' '.join(map(str, r[1:])) or any(
-        x not in ('-', '') and '(not run)' not in x for x in r[1:])]  # comparisons with a finished cell
-    head = (f'**The paper\'s experiments as the paper ran them** ({iters} iterations x {seeds} seeds a cell, each against '
-            f'sage + equalizer + dual KL at its setting, paired; every cell, interval and alarm: '
-            f'[results/paper.md](results/paper.md)). Alarm tripped: {", ".join(alarms) if alarms else "not recorded yet"}.')
+    rows = [r for r in res['short'] if any(x not in ('-', '') and '(not run)' not in x for x in r[1:])]
+    head = (f'{iters} iterations x {seeds} seeds a cell, each paired with sage + equalizer + dual KL at its setting (in '
+            'brackets: the mean difference in held-out composite, positive = the reference is better); every cell, '
+            'interval, metric and alarm: [results/paper.md](results/paper.md).')
+    alarm = (f' Runs whose reward-hacking alarm tripped within {iters} iterations: {", ".join(alarms)}.' if alarms else '')
     if not rows:
-        return [head + ' No comparison has finished yet: `python -m bench.paper` runs them (cached, resumable).']
-    said = ('holds vs', 'fails vs', 'cannot be told / open:')  # one line a comparison, the README stays short
-    return [' '.join([head] + [n for n in note if n])] + [
-        f'- {r[0]}: ' + '; '.join(f'{said[i - 1]} {r[i]}' for i in (1, 2, 3) if r[i] not in ('-', '')) for r in rows]
+        return note + [head + ' No comparison has finished yet: `python -m bench.paper` runs them (cached, resumable).']
+    return note + [table(['claim (the paper\'s experiment)', 'holds vs', 'fails vs', 'cannot be told vs'], rows), '',
+                   head + alarm]
 
 
 if __name__ == '__main__':

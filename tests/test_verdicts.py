@@ -149,7 +149,7 @@ def test_paper_cells_are_the_papers_recipes():
     bv, bp = load(), load('paper')
     from trust_region import kl_weights
     cs = bp.cells()
-    assert len(cs) == 23 and len({bp.name(ov, 0) for ov in cs.values()}) == 23  # every cell a run of its own
+    assert len(cs) == 25 and len({bp.name(ov, 0) for ov in cs.values()}) == 25  # every cell a run of its own
     a = {'reward_weights': config_settings('config/setting_a.py')['reward_weights']}
     assert bp.SETTING_A == a == {'reward_weights': (1.0, 1.0, 1.0)}
     fixed = config_settings('config/fixed_kl.py')
@@ -175,11 +175,17 @@ def test_paper_cells_are_the_papers_recipes():
     assert all(kl_weights(ov.get('kl_strategy'), 1.0, 0.1)[1] > 0 for ov in cs.values() if 'kl_estimator' in ov)
     assert not any('updates_per_iter' in ov for ov in cs.values())  # the paper's one optimizer step an iteration
     assert all(ov.get('kl_max', 1e-5) <= 1e-5 for ov in cs.values() if ov['kl_strategy'] != 'fixed')  # its kl_max
-    # the order of the runs: the advantage at Setting B first, then Table 2 at B; every run once
+    # the released loop's choices, one each (docs/method.md 6.1)
+    assert cs['prompt_noise fixed'] == dict(bv.REF, prompt_noise='fixed') and cs['median lower'] == dict(bv.REF, median='lower')
+    # the order of the runs: the advantage at Setting B first, then the cached references of it trained again
+    # for their alarm (they were trained before it existed), then Table 2 at B; every run once
     order = bp.todo(cs)
-    assert len(order) == len(set(order)) == 23 * 5
-    assert [lb for lb, _ in order[:15]] == ['sage (B)', 'taros (B)', 'per_component (B)'] * 5
-    assert {lb for lb, _ in order[15:45]} == {f'{k}{kl} (B)' for k in ('dance', 'flow', 'cps') for kl in ('', ' + fixed KL')}
+    runs = [(lb, s) for lb, s, again in order if not again]
+    assert len(runs) == len(set(runs)) == 25 * 5
+    assert [lb for lb, _ in runs[:15]] == ['sage (B)', 'taros (B)', 'per_component (B)'] * 5
+    assert {lb for lb, _ in runs[15:45]} == {f'{k}{kl} (B)' for k in ('dance', 'flow', 'cps') for kl in ('', ' + fixed KL')}
+    again = [(lb, s) for lb, s, a in order if a]
+    assert again == [('sage (B)', s) for s in range(5)] and order[15:20] == [('sage (B)', s, True) for s in range(5)]
 
 
 def test_paper_report_of_made_up_cells(tmp_path):
@@ -207,6 +213,10 @@ def test_paper_report_of_made_up_cells(tmp_path):
         side = dict(evals=[dict(iter=i, alarm=[], watch_flagged=[]) for i in range(0, 61, 5)], model_hash=bc.MODEL_HASH)
         (tmp_path / 'cells' / f'alarm_{bp.name(cs["per_component (B)"], s)}.json').write_text(json.dumps(side))
     put('flow (B)', 0, 0.1)  # one seed so far
+    again = fake_run(bc, 0.55, 0.2)  # sage (B) seed 0 trained again for its alarm: the same evaluations
+    for i, e in enumerate(again['evals']):
+        e.update(alarm=['VQ'] if i == 6 else [], watch_flagged=[])
+    (tmp_path / 'cells' / f'rerun_{bp.name(cs["sage (B)"], 0)}.json').write_text(json.dumps(again))
     p = subprocess.run([sys.executable, '-m', 'bench.paper', '--run=False', f'--out={tmp_path}'], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -221,9 +231,12 @@ def test_paper_report_of_made_up_cells(tmp_path):
     assert t2['sage (B) vs dance (B)']['composite']['verdict'] == 'not run'
     al = res['alarms']
     assert al['taros (B)'][:3] == [dict(evals=4, iter=20, watchers=['VQ'])] * 2 + ['never']
-    assert al['sage (B)'] == ['not recorded'] * 5 and al['per_component (B)'] == ['never'] * 5
+    assert al['sage (B)'] == [dict(evals=6, iter=30, watchers=['VQ'])] + ['not recorded'] * 4
+    assert al['per_component (B)'] == ['never'] * 5
     assert al['taros (A)'] == [None] * 5
     md = (tmp_path / 'paper.md').read_text()
-    assert '**Incomplete**: 99 of 115 runs' in md and '| dance (B) | not run |' in md
-    assert 's0: 4 (iteration 20: VQ)' in md and '| sage (B) | 5 | not recorded |' in md
+    assert '**Incomplete**: 109 of 125 runs' in md and '| dance (B) | not run |' in md
+    assert 's0: 4 (iteration 20: VQ)' in md and '| sage (B) | 5 | 1/1 |' in md
+    assert 'Trained again for the alarm (cells cached before it existed): 1 runs; the largest difference' in md
+    assert '0.0e+00' in md  # the same evaluations
     assert res['have']['flow (B)'] == 1 and not (tmp_path / 'README.md').exists()  # only out='results' writes it
