@@ -284,7 +284,7 @@ TAROS_SATURATED = 0.5  # taros: a group's spread of a component under this fract
 
 def component_advantages(c, weights, kind, clip=5.0, eps=1e-6):
     """Advantages (P, G) of component rewards c (P, G, K), the K components in DIMS order, one group a row
-    (docs/method.md section 4.9 argues each choice; 'taros' is our reading of an abstract, not its code):
+    (docs/method.md section 4.3 argues each choice; 'taros' is our reading of an abstract, not its code):
         z_k = (c_k - mean_k) / std_k           each component standardised within its group (population std
                                                over the group's valid members; a flat component: 0)
         'per_component': a = sum_k w_k z_k     (decoupled normalisation of multi-reward GRPO)

@@ -117,7 +117,7 @@ kl_warmup = 100                 # optimizer steps of linear warm-up kl_init -> k
 kl_target = 1e-5                # the controller's KL target
 kl_direction = 1                # +1: the printed rule (relax when KL is high); -1: stabilising
 kl_estimator = 'exact'          # velocity term: 'exact' Gaussian KL to the rollout's mean | 'sample': log
-                                # pi_old - log pi_theta at the rollout's own sample (released; docs/method.md 6.2)
+                                # pi_old - log pi_theta at the rollout's own sample (released; docs/method.md 5.4)
 kl_update = 'step'              # lambda_KL's update: each optimizer step on the all-rank KL |
                                 # 'backward': each backward on the rank's own KL (released)
 # optimisation
@@ -257,7 +257,7 @@ def save_checkpoint(eval_owed=False):
 
 def step_loss(clips, b, t, eq_scale, lam, denom):
     """The objective of local clips b (a list) at their trained steps t (n,), docs/method.md
-    section 4: the loss to backward, and its per-clip terms (n,) for the log."""
+    sections 4 and 5: the loss to backward, and its per-clip terms (n,) for the log."""
     x, x_next = clips['xs'][b, t], clips['xs'][b, t + 1]          # (n, C, F, h, w)
     s, s_next = sigmas[t], sigmas[t + 1]                         # (n,)
     text, text_neg = text_for([clips['prompts'][i] for i in b])
@@ -328,7 +328,7 @@ policy.train()
 # At the defaults (one optimizer step per rollout batch) theta == theta_old throughout the update: the
 # ratio is 1 up to the rounding of a recomputed forward (inside clip_range 1e-4: the clip does not act),
 # and the exact velocity KL and its gradient are 0. updates_per_iter > 1 makes them act (docs/method.md
-# section 4.7).
+# section 4.6).
 while iter_num < max_iters:
     t0 = time.time()
     preemption.begin(save_checkpoint, controller, passes)  # a stop saves iteration iter_num's state

@@ -1,5 +1,5 @@
 """
-The trust region of SAGE-GRPO (docs/method.md section 4): the KL of two transition Gaussians, the anchor
+The trust region of SAGE-GRPO (docs/method.md section 5): the KL of two transition Gaussians, the anchor
 (a frozen copy of the policy's trainable weights) and the lambda_KL controller.
 
     KL(mean_a, mean_b) = mean over elements of (mean_a - mean_b)^2 / (2 std_t^2)
@@ -13,9 +13,9 @@ Where this differs from the paper and the released code (docs/method.md section 
 is called by train.py once per optimizer step with the KL averaged over all ranks (kl_update='step'), where
 the released code calls it after every backward with the rank's own KL (kl_update='backward': its warm-up
 is over in ~2.5 optimizer steps and the ranks' lambdas drift apart); the velocity term is the exact Gaussian KL, not the released sample estimate (why: section
-6.2; train.py's kl_estimator='sample' restores it); the controller keeps the printed direction (high KL
+5.4; train.py's kl_estimator='sample' restores it); the controller keeps the printed direction (high KL
 *relaxes* the penalty), DIRECTION = -1 gives the stabilising one. Its start, floor, ceiling, warm-up and
-target are train.py's settings kl_init, kl_min, kl_max, kl_warmup, kl_target (section 6.4).
+target are train.py's settings kl_init, kl_min, kl_max, kl_warmup, kl_target (section 5.5).
 
 Tested by: python -m pytest tests/test_trust_region.py   (the FSDP2 part runs torchrun on CPU)
 """
@@ -26,7 +26,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies (docs/method.md section 4.5)
+STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies (docs/method.md section 5.3)
 ANCHOR_EVERY = 10  # moving anchor: copy policy -> anchor every N optimizer steps
 LAM_INIT = 1e-7  # lambda_KL at the first optimizer step (start of the warm-up)
 LAM_MIN = 1e-7  # lower clip of lambda_KL
@@ -128,7 +128,7 @@ class Anchor:
 
 
 class KLController:
-    """lambda_KL: linear warm-up, then a deadband rule on the windowed mean KL (docs/method.md 4.6).
+    """lambda_KL: linear warm-up, then a deadband rule on the windowed mean KL (docs/method.md 5.5).
 
     .value is the lambda for the next optimizer step. update(kl) is called once after each
     optimizer step with the KL that step observed; after update number k (1-based) the value is

@@ -147,7 +147,7 @@ def flops_report():
                  'fwd+bwd TFLOP, masked keys', 'fwd+bwd, valid tokens'], rows), '',
           'Dropping the padding saves FLOPs in proportion to it: little against 18-35k video tokens. What the mask '
           'costs beyond FLOPs is the kernel: with any mask torch\'s SDPA never runs flash (docs/method.md section '
-          '10.3); `python -m bench.attention --gpu` times that on a GPU (results/attention_gpu.md).']
+          '12.3); `python -m bench.attention --gpu` times that on a GPU (results/attention_gpu.md).']
     os.makedirs(os.path.dirname(out) or '.', exist_ok=True)
     with open(out + '_flops.md', 'w') as f:
         f.write('\n'.join(md) + '\n')

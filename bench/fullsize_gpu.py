@@ -43,7 +43,7 @@ C.share(config, FM)  # the measurement runs with this command line's values
 
 TINY = dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
             num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=12,
-            rope_axes_dim=(2, 2, 4))  # docs/method.md section 7's tiny transformer: builds in milliseconds
+            rope_axes_dim=(2, 2, 4))  # docs/method.md section 11.1's tiny transformer: builds in milliseconds
 
 
 def check():

@@ -142,7 +142,7 @@ def closed_form(P, P_blocks, world, shard, node):
     """FSDP2's bytes per GPU in a micro-step from the parameter counts alone: bf16 all-gathers over the
     shard group, of every block 3 times (the anchor's forward, the policy's forward, the backward) and
     of the root's own weights twice (it stays gathered from the policy's forward to its backward,
-    docs/method.md section 10.2); a reduce-scatter of the fp32 gradients of all P weights over the
+    docs/method.md section 12.2); a reduce-scatter of the fp32 gradients of all P weights over the
     shard group; under HSDP an all-reduce of the fp32 gradient shard over the replicas. Sequence
     parallel's all-to-alls are not in it."""
     ag = 2 * (3 * P_blocks + 2 * (P - P_blocks)) * (shard - 1) / shard

@@ -451,7 +451,7 @@ def report(res):
     r.append('- the same, SIGTERM to both agents while training (SLURM\'s --signal): ' + (
         f'stopped {f(x["ended_after"])} s after the signal, preempted: {x["preempted"]} (the last finished iteration '
         f'saved: `latest` {x["latest"]}), `.tmp` left: {len(x["tmp_left"])}; exit {x["rc"]} (torchrun re-raises the '
-        'signal, docs/method.md section 10.1; srun ends the other node then).' if 'error' not in x else
+        'signal, docs/method.md section 12.1; srun ends the other node then).' if 'error' not in x else
         f'failed: {x["error"][:300]}'))
     x = res.get('sbatch_stuck', {})
     r.append('- the same, rank 3 stopped (SIGSTOP) while training, dist_timeout 0.1 min: ' + (

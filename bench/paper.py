@@ -1,7 +1,7 @@
 """
 The paper's experiments as the paper ran them, on the toy world: each baseline of Table 2 trained by its
 own recipe, the lambda_KL schedules of Fig. 7, the trust regions of Fig. 8 at the paper's settings, and
-the component-level advantages (docs/method.md 4.9) against GRPO. Every cell is compared with the
+the component-level advantages (docs/method.md 4.3) against GRPO. Every cell is compared with the
 reference (sage + equalizer + dual KL at the defaults) by bench.verdicts' paired-seed protocol: runs that
 share a seed share prompts and noises, and each row is the per-seed difference, its mean and 95% t
 interval over the seeds, positive = the reference is better.
@@ -24,7 +24,7 @@ settings and its cell names, so the 5 cached reference cells of Setting B are re
     baseline's sampler at eta 0.5, no equalizer, no KL), each also with config/fixed_kl.py (the position
     KL to the initial model at a constant lambda 0.04): 6 cells a setting, against the reference of the
     same setting (Setting A's reference is a cell of its own).
- 2. Fig. 7, lambda_KL schedules (docs/method.md 6.4): fixed 1e-5 (kl_init = kl_min = kl_max = 1e-5,
+ 2. Fig. 7, lambda_KL schedules (docs/method.md 5.5): fixed 1e-5 (kl_init = kl_min = kl_max = 1e-5,
     kl_warmup 0) and two-stage 1e-7 -> 1e-6 (kl_max 1e-6) against two-stage 1e-7 -> 1e-5 (the default:
     the reference itself).
  3. Fig. 8 at the paper's settings (one optimizer step an iteration, kl_max 1e-5): dual, moving and no

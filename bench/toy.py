@@ -141,7 +141,7 @@ def section0():
 
 
 def alarm_sentence(evals):
-    """What the reward-hacking alarm said at the run's evaluations (docs/method.md section 11.1)."""
+    """What the reward-hacking alarm said at the run's evaluations (docs/method.md section 9)."""
     said = [(r['iter'], r['alarm']) for r in evals if r.get('alarm')]
     if not said:
         return 'The reward-hacking alarm: silent.' if any('alarm' in r for r in evals) else ''

@@ -2,7 +2,7 @@
 #   torchrun --nproc_per_node=8 train.py config/released.py
 # Sources: Tencent-Hunyuan/SAGE-GRPO scripts/post_train/train_grpo.sh (the launch flags: "sh"),
 # post_train.py (TrainingConfig defaults, _build_optimizer: "pt"), hyvideo/utils/grpo_utils.py
-# ("gu"), and HunyuanVideo-1.5 hyvideo/optim/muon.py; docs/method.md sections 5-6 have the reading.
+# ("gu"), and HunyuanVideo-1.5 hyvideo/optim/muon.py; docs/method.md sections 6-7 have the reading.
 # What these settings cannot express (the NaN-reward handling, the anchor's precision, Muon's >2-D
 # kernels): docs/method.md section 6. The transformer is the 480p t2v one (--model), as released.
 optimizer = 'muon'              # pt use_muon=True -> muon.get_muon_optimizer (Muon 2-D, AdamW 0/1-D)

@@ -78,7 +78,7 @@ class Muon(torch.optim.Muon):
 
 def zero_grad(optimizers):
     """Free the gradients through the optimizers' own (sharded) tensors. Never model.zero_grad() under
-    FSDP2: after a no-grad forward the root unit stays unsharded (docs/method.md section 10.2), its
+    FSDP2: after a no-grad forward the root unit stays unsharded (docs/method.md section 12.2), its
     parameters() are then the unsharded copies, and their .grad is cleared while the sharded gradients
     the optimizer reads keep accumulating over iterations."""
     for o in optimizers:

@@ -12,11 +12,11 @@ Layout: torchrun numbers a node's ranks consecutively. world = data parallel x s
 an sp group is sp_size consecutive ranks inside one node holding the same clips (infra/sp.py), the
 data-parallel rank is rank // sp_size. FSDP2 shards every weight over shard_size consecutive ranks
 and replicates it over the world / shard_size groups (HSDP, a 2-D mesh: docs/method.md section
-10.2); the default is one node's ranks, so a micro-step's all-gathers and reduce-scatters stay on
+12.2); the default is one node's ranks, so a micro-step's all-gathers and reduce-scatters stay on
 a node's links and only one all-reduce of the gradient shards crosses nodes (results/hsdp.md). On
 one node that is plain FSDP over all ranks (mesh None).
 
-Failing fast (docs/method.md section 10.1): every collective waits at most dist_timeout; a rank that
+Failing fast (docs/method.md section 12.1): every collective waits at most dist_timeout; a rank that
 died or hangs makes the others' next collective fail, and each of them stops with one line holding
 torch's own words (NCCL names the ranks that never joined with TORCH_NCCL_DESYNC_DEBUG=1; gloo
 says only "timed out" or "connection reset"). Rank 0's solo phases (the prompt cache, the export,
@@ -144,7 +144,7 @@ def close():
 def mesh(device, shape, names):
     """init_device_mesh whose groups wait at most dist_timeout, as the default group does: a group torch
     creates for a mesh gets the backend's default timeout (NCCL 10 min, gloo 30), not the one
-    init_process_group was given (docs/method.md section 10.2)."""
+    init_process_group was given (docs/method.md section 12.2)."""
     from torch.distributed.device_mesh import init_device_mesh
     kind = torch.device(device).type
 

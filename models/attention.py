@@ -17,7 +17,7 @@ Where a mask remains it is handed over in the form the backend reads right (key_
 that takes no mask (NO_MASK) runs valid_tokens only (configurator says so before anything loads).
 
 Why a mask matters: with any attn_mask torch's SDPA never picks its flash kernel, and every t2v batch
-has masked tokens (docs/method.md section 10.3). valid_tokens runs without one; for a batch whose
+has masked tokens (docs/method.md section 12.3). valid_tokens runs without one; for a batch whose
 samples have different valid lengths (CFG's two branches always do) it calls the backend once per
 run of equal lengths (attend). The options, at the real sizes (bench/attention.py ->
 results/attention_flops.md):
@@ -63,7 +63,7 @@ BACKENDS = ('native', '_native_flash', '_native_cudnn', '_native_efficient', '_n
             'sage_hub', 'sage_blackwell_hub', 'sage_varlen', '_sage_qk_int8_pv_fp8_cuda',
             '_sage_qk_int8_pv_fp8_cuda_sm90', '_sage_qk_int8_pv_fp16_cuda', '_sage_qk_int8_pv_fp16_triton',
             'xformers')
-# backends that raise on any attn_mask (diffusers 0.42, docs/method.md section 10.3): valid_tokens only
+# backends that raise on any attn_mask (diffusers 0.42, docs/method.md section 12.3): valid_tokens only
 NO_MASK = ('_native_flash', 'flash', 'flash_hub', 'flash_4_hub', '_flash_3', '_flash_3_hub', 'aiter_fa2_hub',
            '_native_xla', 'sage', 'sage_hub', 'sage_blackwell_hub', '_sage_qk_int8_pv_fp8_cuda',
            '_sage_qk_int8_pv_fp8_cuda_sm90', '_sage_qk_int8_pv_fp16_cuda', '_sage_qk_int8_pv_fp16_triton')

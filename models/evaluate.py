@@ -8,7 +8,7 @@ manifold; the means over all items. And the reward-hacking alarm that watches th
     means = evaluate(policy, iter_num)             # {'VQ': ..., 'composite': ..., ...}; per item: evaluate.items
     fields, line = alarm(iter_num, evaluate.items) # {'alarm': [...], 'watch_flagged': [...]}, 'alarm: ...' or None
 
-The alarm (docs/method.md section 11.1): every watcher (each score and frame statistic) is compared with the
+The alarm (docs/method.md section 9): every watcher (each score and frame statistic) is compared with the
 base model's (iteration 0) on the same items, paired, so its noise is the standard error of the per-item
 differences. At an evaluation where the composite rose beyond its noise, a watcher that moved its wrong
 way by more than `z` standard errors is flagged; flagged at two evaluations in a row, it trips the alarm.

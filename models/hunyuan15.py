@@ -3,12 +3,12 @@ HunyuanVideo 1.5 (diffusers' HunyuanVideo15Pipeline) behind the model interface 
 
     torchrun --nproc_per_node=8 train.py --model=weights/HunyuanVideo-1.5-480p_t2v
 
-HunyuanVideo 1.5 specifics (docs/method.md section 7): two text encoders, Qwen2.5-VL (embeds, mask)
+HunyuanVideo 1.5 specifics (docs/method.md section 11.1): two text encoders, Qwen2.5-VL (embeds, mask)
 and ByT5 for quoted text (embeds_2, mask_2); the transformer input is [latents, zeros, zero mask]
 channel-wise with an all-zero image token for text-to-video; the timestep is 1000 s; the VAE's
 latents are scaled by its scaling_factor.
 
-Where the blocks' attention differs from diffusers' (docs/method.md section 10.3): diffusers 0.42's
+Where the blocks' attention differs from diffusers' (docs/method.md section 12.3): diffusers 0.42's
 HunyuanVideo15AttnProcessor2_0 builds a dense (B, 1, S, S) mask, key mask AND query mask, over all
 S = video + text tokens (~34,600 at 480p, 81 frames), and with any mask torch's SDPA never takes its
 flash kernel. In a t2v forward the masked tokens are the all-zero image token, the zero ByT5 token of

@@ -12,7 +12,7 @@ Also Wan-AI/Wan2.1-T2V-14B-Diffusers (40 blocks of width 5120) and Wan-AI/Wan2.2
 (its text-to-video path: 48 latent channels, 16x spatial compression, one timestep per video token;
 its own clip size is 121 frames at 704x1280, 24 fps; DEFAULTS are Wan 2.1's).
 
-Wan specifics (docs/method.md section 9): one text encoder, UMT5-XXL, every prompt padded to 512 tokens
+Wan specifics (docs/method.md section 11.2): one text encoder, UMT5-XXL, every prompt padded to 512 tokens
 with its embeddings zeroed after the prompt's own tokens; the transformer's cross-attention takes no
 mask and so attends to those zeros too, so forward() pads the cached text (trimmed to its valid
 tokens) back to 512 zero tokens: the velocity is the pipeline's. The timestep is 1000 s (Wan 2.2
@@ -39,8 +39,8 @@ times 0: ranks whose samples route differently run the same FSDP collectives.
 
 Where it differs from WanPipeline: the sampler. The pipeline's default scheduler is UniPC, a multistep
 solver on the flow sigmas; this project's rollouts and sample.py take their own Euler / SDE steps
-(docs/method.md section 2) on the flow sigmas of section 1, whose ODE step equals diffusers'
-FlowMatchEulerDiscreteScheduler(shift=...).step (docs/method.md section 9).
+(docs/method.md section 2) on the flow sigmas of section 1.2, whose ODE step equals diffusers'
+FlowMatchEulerDiscreteScheduler(shift=...).step (docs/method.md section 11.2).
 
 attention (models/attention.py's settings): Wan's own WanAttnProcessor has no mask to drop, so every value
 of `attention` runs it as shipped: valid_tokens (the video self-attention has no padding; the text

@@ -1,6 +1,6 @@
 """
 reward.component_advantages ('per_component', 'taros') against a slow reference written here in plain
-Python, loop by loop, from the formulas of docs/method.md section 4.9. What a failure would show: a
+Python, loop by loop, from the formulas of docs/method.md section 4.3. What a failure would show: a
 component standardised over the batch instead of its group, a NaN component that leaks into its group's
 mean, a sparsity or saturation rule that acts the wrong way.
 Groups that span ranks: tests/test_train_ranks.py runs both kinds on 2 ranks against one process.

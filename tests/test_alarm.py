@@ -1,5 +1,5 @@
 """
-The reward-hacking alarm (models/evaluate.py: Alarm, frame_stats; docs/method.md section 11.1) on made-up
+The reward-hacking alarm (models/evaluate.py: Alarm, frame_stats; docs/method.md section 9) on made-up
 held-out items whose answer is known, the frame statistics against counts by hand, and the pinned
 checkpoint that no rotation removes. What a failure would show: an alarm that fires on one evaluation, on
 a falling composite, on a watcher moving its harmless way or on NaN; a statistic off its definition; the

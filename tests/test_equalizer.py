@@ -78,7 +78,7 @@ def test_median_settings_match_numpy_and_torch_median(kind, steps):
     a, b = equalizer.scales(kind, sig, 0.5), equalizer.scales(kind, sig, 0.5, 'lower')
     if int(live.sum()) % 2:
         assert torch.equal(a, b)
-    elif kind == 'sage' and steps == 20:  # docs/method.md section 6: the released S_t is 0.917x the project's
+    elif kind == 'sage' and steps == 20:  # docs/method.md section 6.2.4: the released S_t is 0.917x the project's
         assert abs((b[live] / a[live]).mean().item() - 0.1528 / 0.1667) < 2e-3
     with pytest.raises(ValueError):
         equalizer.scales(kind, sig, 0.5, 'upper')

@@ -1,7 +1,7 @@
 """
 The toy's headline run, `python train.py config/toy.py`, as a user runs it, beside the same run at
 learning rate 0 (two processes, one thread each, side by side: ~8 min on 2 cores). What it pins:
-- the reward-hacking alarm (models/evaluate.py, docs/method.md section 11.1) trips on the headline run,
+- the reward-hacking alarm (models/evaluate.py, docs/method.md section 9) trips on the headline run,
   whose composite rises while VQ, the toy's on-manifold quality, falls: one `alarm:` line that names VQ
   with its base -> now figures and standard error, `alarm` in metrics.jsonl's evaluation rows, and the
   checkpoint of the evaluation before the alarm pinned (never rotated away) and still there at the end;

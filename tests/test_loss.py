@@ -1,7 +1,7 @@
 """
 train.py's objective: its own step_loss (read from train.py's source and run here, with the forwards
 replaced by given means and log-probs) and its own normaliser (the `denom` line of its update),
-against a plain-Python reference written here number by number (docs/method.md section 4):
+against a plain-Python reference written here number by number (docs/method.md sections 4-5):
 - the sign: one SGD step on the loss raises logp where A > 0 and lowers it where A < 0;
 - the clip: the pessimistic max takes the unclipped term (gradient -A r) where it must and the
   clipped one (gradient 0) where it must, for both signs of A and a ratio on both sides of the band;

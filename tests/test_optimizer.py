@@ -64,7 +64,7 @@ def test_split_and_lr_rule():
 
 
 def released_muon(weights, grads, lr, wd, mu=0.95, steps=5, eps=1e-7):
-    """The released Muon rule as optimizer.py's docstring and docs/method.md section 6 state it (Keller
+    """The released Muon rule as optimizer.py's docstring and docs/method.md section 6.2.10 state it (Keller
     Jordan's Muon with the 0.2 sqrt(max(A, B)) lr): momentum as a sum, buf = mu buf + g (torch keeps an
     EMA: the same direction), Nesterov update u = g + mu buf; u / ||u||_F in bf16, the short side first;
     5 quintic Newton-Schulz iterations X <- a X + (b A + c A^2) X, A = X X^T, (a, b, c) = (3.4445,

@@ -18,7 +18,7 @@ every logged figure; and a SIGTERM that finds a peer dead (torchrun stopping the
 the group) exits at once without a checkpoint, one line, no traceback. Each rank's exit status is read through a small wrapper between torchrun and train.py.
 The moments are hooks, not timings, so the iteration can be short: STEPS sampler steps (a 1-2 s iteration
 on 2 cores). PREEMPT_STEPS=170 python -m pytest tests/test_preemption.py runs a >= 60 s iteration (longer
-than the launchers' 30 s between SIGTERM and SIGKILL, docs/method.md section 10.1): the exits stay ~1 s.
+than the launchers' 30 s between SIGTERM and SIGKILL, docs/method.md section 12.1): the exits stay ~1 s.
 Cost: 6 torchrun launches, 132 s of CPU in all (measured on a loaded 2-core machine; mostly the
 imports of their 3 processes each).
 """

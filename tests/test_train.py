@@ -478,7 +478,7 @@ def test_released_config_is_valid(tmp_path):
 
 
 def test_fig7_lambda_schedules_are_settings(tmp_path, monkeypatch):
-    """The paper's Fig. 7 schedules as command lines (docs/method.md section 6.4): fixed 1e-5 (start =
+    """The paper's Fig. 7 schedules as command lines (docs/method.md section 5.5): fixed 1e-5 (start =
     floor = ceiling, no warm-up) logs 1e-5 at every iteration; two-stage 1e-7 -> 1e-6 warms up linearly to
     the lower ceiling. The controller's closed form (tests/test_trust_region.py) by hand here."""
     for args, want in ((['--kl_init=1e-5', '--kl_min=1e-5', '--kl_warmup=0'], lambda k: 1e-5),

@@ -73,7 +73,7 @@ def test_controller_direction_in_a_loop(lam_max):
 
 
 def paper_lambdas(kls, direction=+1):
-    """lambda_KL after each update, docs/method.md section 4.6 in plain Python with its literal numbers: linear
+    """lambda_KL after each update, docs/method.md section 5.5 in plain Python with its literal numbers: linear
     warm-up 1e-7 -> 1e-5 over the first 100 updates, then the mean of the last 10 observed KLs vs.
     the target 1e-5: above 1.5x -> *0.9, below 0.5x -> *1.1 (direction +1; -1 swaps them), clipped
     to [1e-7, 1e-5]."""

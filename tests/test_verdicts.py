@@ -168,7 +168,7 @@ def test_paper_cells_are_the_papers_recipes():
         assert bp.name(cs['sage (B)'], s) == bv.name(bv.REF, s)
         assert os.path.exists(os.path.join(ROOT, 'results', 'cells', bv.name(bv.REF, s) + '.json'))
     assert not any(c in bp.name(cs['sage (A)'], 0) for c in ' ()')  # a tuple: 1.0,1.0,1.0
-    # Fig. 7 (docs/method.md 6.4) and Fig. 8 at the defaults: kl_estimator only where the velocity term is on
+    # Fig. 7 (docs/method.md 5.5) and Fig. 8 at the defaults: kl_estimator only where the velocity term is on
     assert cs['lambda fixed 1e-5'] == dict(bv.REF, kl_init=1e-5, kl_min=1e-5, kl_max=1e-5, kl_warmup=0)
     assert cs['lambda 1e-7 -> 1e-6'] == dict(bv.REF, kl_max=1e-6)
     assert kl_weights('moving', 1.0, 0.1)[1] == kl_weights('none', 1.0, 0.1)[1] == 0  # sample = exact there
