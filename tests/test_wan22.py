@@ -8,7 +8,8 @@ random-weight two-expert pipeline (tests/tiny_wan.py TINY_A14B: Wan 2.1's parts 
 - sampling: the ODE sampler equals the pipeline's loop with FlowMatchEulerDiscreteScheduler (shift 12);
 - train.py in 1 process, 3 iterations: both experts move; 2 FSDP ranks (whose clips route to different
   experts) and 2 ranks as one sp group reach the same weights within 1e-6, and so does 1 process resumed
-  from the iteration-2 checkpoint; the export is transformer/ and transformer_2/, each loadable by
+  from the 2-rank run's iteration-2 checkpoint (another world size); an SDE window whose two steps straddle the
+  boundary trains both experts; the export is transformer/ and transformer_2/, each loadable by
   WanTransformer3DModel.from_pretrained and the trained weights; with experts='high' the low-noise
   expert is in no checkpoint and stays bitwise the base (sample.py renders from that checkpoint); LoRA on
   one expert exports merged weights and each expert's adapter.
@@ -179,8 +180,8 @@ def test_train_ranks_sp_resume_and_export(root, tmp_path, monkeypatch):
     run_here(monkeypatch, args + [f'--out_dir={one}', '--max_iters=3', '--export_dtype=float32'])
     run(args + [f'--out_dir={two}', '--max_iters=3', '--export_dtype='], torchrun=True)
     run(args + [f'--out_dir={sp2}', '--max_iters=3', '--export_dtype=', '--sp_size=2'], torchrun=True)
-    os.makedirs(back)  # the iteration-2 checkpoint, resumed for iteration 3
-    os.rename(os.path.join(one, 'ckpt_000002'), os.path.join(back, 'ckpt_000002'))
+    os.makedirs(back)  # the 2-rank run's iteration-2 checkpoint, resumed in 1 process for iteration 3
+    os.rename(os.path.join(two, 'ckpt_000002'), os.path.join(back, 'ckpt_000002'))
     with open(os.path.join(back, 'latest'), 'w') as f:
         f.write('ckpt_000002')
     run_here(monkeypatch, args + [f'--out_dir={back}', '--max_iters=3', '--export_dtype=', '--init_from=resume'])
@@ -202,6 +203,25 @@ def test_train_ranks_sp_resume_and_export(root, tmp_path, monkeypatch):
         for k, t in exported.items():
             if f'{sub}.{k}' in w:
                 assert torch.equal(t, w[f'{sub}.{k}']), (sub, k)
+
+
+def test_sde_window_across_the_boundary_trains_both_experts(root, tmp_path, monkeypatch):
+    # sigmas 1, 0.9 (high) | 0.75, 0.5 (low): a window of 2 steps is the only stochastic and trained part of a
+    # rollout, each step scaled by its S_t over the window. Starting at step 1 it spans the boundary and both
+    # experts move; at step 2 it lies below it and the high-noise expert gets a zero gradient (its token pass),
+    # so without weight decay it stays bitwise the base
+    def trained(start):
+        seed = next(s for s in range(1000) if sde.window([0, 1, 2, 3], 2, model.seed_of(s, 'window', 0))[0] == start)
+        out = str(tmp_path / f'window{start}')
+        run_here(monkeypatch, train_args(root, tmp_path) + [
+            f'--out_dir={out}', '--max_iters=1', '--sde_window=2', '--timestep_fraction=1.0', f'--seed={seed}',
+            '--weight_decay=0', '--export_dtype='])
+        w = weights(out)
+        return {sub: norm({k: w[k] - base[k] for k in w if k.startswith(sub)}) for sub in ('transformer.', 'transformer_2.')}
+    base = base_weights(root)
+    across, below = trained(1), trained(2)
+    assert across['transformer.'] > 0 and across['transformer_2.'] > 0, across
+    assert below['transformer.'] == 0 and below['transformer_2.'] > 0, below
 
 
 def test_train_high_expert_only_keeps_low_bitwise(root, tmp_path, monkeypatch):
