@@ -7,6 +7,7 @@ dtypes, no storage): the runs, the report (results/fullsize.{md,json}) and the R
     python -m bench.fullsize --only=train & python -m bench.fullsize --only=rollout,lora; \
         python -m bench.fullsize --reuse=True          # the same in two parallel parts, then assembled
     python -m bench.fullsize --only=wan,wansp --reuse=True  # the Wan 2.1 rows alone (the others read back),
+    python -m bench.fullsize --only=a14b --reuse=True  # Wan 2.2 A14B's rows alone (about 20 min),
     python -m bench.fullsize --reuse=True              # then the report and README block from every kept run
     python -m bench.fullsize --report_only=True        # fullsize.md and the README block from fullsize.json
 
@@ -14,7 +15,9 @@ Its pieces, whose settings this command line sets too:
 - bench/fullsize_measure.py: measure(), one micro-step or rollout forward on fake tensors; how it
   measures, and where it knowingly differs from a GPU run;
 - bench/fullsize_wan.py: Wan 2.1 T2V 1.3B and 14B at their own clip size, 81x480x832, their own
-  section of fullsize.md and rows of the README block.
+  section of fullsize.md and rows of the README block;
+- bench/fullsize_wan22.py: Wan 2.2 T2V-A14B's two experts on 8 GPUs, measured shallow and carried to
+  40 layers an expert, its own section and rows.
 The ready check for the day GPUs are at hand is its own script: python -m bench.fullsize_gpu.
 
 Runs: full fine-tune (FSDP2 over `gpus` ranks) and rollout at each of `sizes`, LoRA on one GPU at the
@@ -33,6 +36,7 @@ import torch
 from bench import common as C
 from bench import fullsize_measure as FM
 from bench import fullsize_wan as FW
+from bench import fullsize_wan22 as FW22
 from bench.common import table
 from bench.fullsize_measure import GiB, build, categories, load_config, measure, video_tokens
 from infra.configurator import configure, list_of
@@ -54,13 +58,15 @@ metrics_params = 1.414e9        # CLIP-L (428M) + PickScore (CLIP-H, 986M): bf16
 from bench.fullsize_measure import (clips, gpus, lora_rank, model_config, num_frames, num_steps,  # noqa: E402,F401
                                     processor, rollout_batch, seed, sizes, text_tokens)
 from bench.fullsize_wan import wan_clip, wan_clips_1gpu, wan_models, wan_sp  # noqa: E402,F401
+from bench.fullsize_wan22 import (a14b_clips, a14b_config, a14b_depths, a14b_rollout_batch,  # noqa: E402,F401
+                                  a14b_sp, a14b_steps)
 if __name__ == '__main__' and '--gpu' in sys.argv[1:]:
     raise SystemExit('the GPU check is its own script: python -m bench.fullsize_gpu')
 # imported (bench/compute.py, tests), the settings keep their defaults
 config = configure(globals(), sys.argv[1:] if __name__ == '__main__' else [],
-                   rules=dict(only=list_of('train', 'rollout', 'lora', 'diffusers', 'sp', 'wan', 'wansp'),
-                              **FM.RULES, **FW.RULES))
-C.share(config, FM, FW)  # the measurement and the Wan rows run with this command line's values
+                   rules=dict(only=list_of('train', 'rollout', 'lora', 'diffusers', 'sp', 'wan', 'wansp', 'a14b'),
+                              **FM.RULES, **FW.RULES, **FW22.RULES))
+C.share(config, FM, FW, FW22)  # the measurement and the Wan rows run with this command line's values
 # -----------------------------------------------------------------------------
 
 
@@ -123,6 +129,7 @@ def estimate():
                 if r is not None:
                     seq.append(dict(r, sp=n))  # (runs measured before sp was recorded are sp 1)
     wan_rows = FW.wan_runs(run)  # Wan 2.1 1.3B and 14B (bench/fullsize_wan.py)
+    a14b_check, a14b = FW22.validation_runs(run), FW22.a14b_runs(run)  # Wan 2.2 A14B (bench/fullsize_wan22.py)
     for r in wan_rows:
         r['categories'] = categories(r)
     blk = build(cfg, checkpointing=False).transformer_blocks[0]
@@ -134,6 +141,7 @@ def estimate():
                                cfg['attention_head_dim'], r['tokens'], r['text'])
     out = dict(config=config, extras=extras, eval_extras={'CLIP-L + PickScore (bf16)': 2 * metrics_params},
                runs=runs, reference=reference, sp=seq, wan=wan_rows, wan_extras=FW.wan_extras(videoalign_params),
+               a14b=a14b, a14b_check=a14b_check,
                seconds=time.time() - t0, torch=torch.__version__)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'fullsize.json'), 'w') as f:
@@ -203,6 +211,7 @@ def readme_summary(out):
     gb = out['config'].get('gpu_gb', gpu_gb)
     rows = [[m, clip, '; '.join(f'{s} **{v:.1f}**' if v <= gb else f'{s} {v:.1f} (over {gb:.0f} GB)'
                                 for s, v in d.items())] for (m, clip), d in peaks.items()]
+    rows += FW22.readme_rows(out, gb)  # Wan 2.2 A14B: per clip, the setups that fit
     return table(['model', 'frames x H x W', f'peak GiB per GPU of an iteration (**bold**: fits {gb:.0f} GB)'], rows)
 
 
@@ -292,6 +301,8 @@ def report(out):
         md += sp_report(out, g)
     if out.get('wan'):
         md += FW.wan_report(out, g)
+    if out.get('a14b'):
+        md += FW22.a14b_report(out, g)
     md += ['### Against bench/toy.py section 5\'s formulas (full fine-tune, 8 GPUs, training micro-step)', '']
     for r in [r for r in runs if r['world'] and r['what'] == 'train']:
         m, f = r['categories'], r['formula']

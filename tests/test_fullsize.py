@@ -136,3 +136,76 @@ def test_sequence_parallel_splits_a_clips_work():
     assert abs(c2['stored rollout (fp32)'] / c1['stored rollout (fp32)'] - 2) < 0.01  # (+ one micro-batch's text)
     with pytest.raises(ValueError, match='do not split'):  # 3 x 17 x 23 video tokens, odd
         bf.measure(SMALL, 'rollout', 9, 272, 368, world=8, sp=2, L=(30, 10))
+
+
+# Wan 2.2 A14B (bench/fullsize_wan22.py): the shallow builds carried to 40 layers
+RUNS = os.path.join(ROOT, 'results', 'fullsize_runs')
+TINY_WAN = dict(num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=16,
+                ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+
+@pytest.mark.parametrize('sp', [1, 2])
+@pytest.mark.parametrize('what', ['train', 'rollout'])
+def test_depth_line_gives_the_full_depth_wan_14b_runs(what, sp):
+    # Wan 2.1 14B measured at 4, 6 and 8 layers (kept runs) and carried to 40 on the line through the
+    # first two: every byte category, the peak phase and the FLOPs of the 40-layer run measured in full
+    from bench import fullsize_wan22 as bw22
+    name = lambda d: f'a14b_val14b_sp{sp}_{what}_81x480x832_L{d}.json'
+    full = 'wan' + ('sp2' if sp == 2 else '') + f'_14b_fsdp8_{what}_81x480x832.json'
+    if not all(os.path.exists(os.path.join(RUNS, f)) for f in [full] + [name(d) for d in (4, 6, 8)]):
+        pytest.skip('kept runs absent: python -m bench.fullsize --only=a14b,wan,wansp')
+    load = lambda f: json.load(open(os.path.join(RUNS, f)))
+    runs = [dict(load(name(d)), layers=d) for d in (4, 6, 8)]
+    got, ref = bw22.line(runs, 40), load(full)
+    assert got['peak_phase'] == ref['peak_phase'] and got['check'] < 1e-6  # the third depth on the line
+    a, b = bf.categories(got), bf.categories(ref)
+    assert all(abs(a[k] - b[k]) < 2 ** 20 for k in b), {k: (a[k], b[k]) for k in b}  # within 1 MiB
+    for k, ph in ref['phases'].items():
+        assert abs(got['phases'][k]['flops'] / ph['flops'] - 1) < 1e-9 if ph['flops'] else got['phases'][k]['flops'] == 0
+    assert abs(got['P'] - ref['P']) < 1  # 14.288 B parameters
+
+
+def test_a14b_forward_is_experts_forward():
+    # the bench's fixed routing (every sample above the boundary) gives Experts.forward's velocity, and
+    # runs the idle expert (on one token) exactly when the update's Experts.forward does: with grad on
+    from diffusers import WanTransformer3DModel as W
+    from bench import fullsize_wan22 as bw22
+    from models import wan
+    torch.manual_seed(0)
+    net = wan.Experts(W(**TINY_WAN).eval(), W(**TINY_WAN).eval(), 0.875)
+    x, s = torch.randn(2, 16, 3, 4, 6), torch.tensor([0.9, 0.95])
+    text = [torch.randn(2, 5, 16), torch.ones(2, 5)]
+    for grad in (True, False):
+        calls = []
+        hooks = [e.register_forward_pre_hook(lambda m, a, kw, i=i: calls.append(i), with_kwargs=True)
+                 for i, e in enumerate(net.experts)]
+        with torch.set_grad_enabled(grad):
+            ref = net(x, 1000 * s, text, net.high(s))
+            n = len(calls)
+            got = bw22.forward(net, x, 1000 * s, text)
+        for h in hooks:
+            h.remove()
+        torch.testing.assert_close(got, ref)
+        assert calls[:n] == calls[n:] == ([0, 1] if grad else [0])
+
+
+@pytest.mark.slow  # three measured micro-steps, ~40 s alone (per-op bookkeeping): .ci/run's slow tier
+def test_a14b_measure_is_a_line_in_depth():
+    # the A14B family through measure() (FSDP2 over 8 fake ranks, one expert trained, the other frozen
+    # in bf16) at 4, 5 and 6 layers an expert: the third on the line of the first two, and the idle
+    # expert's resident bytes read off the categories at 40 layers are its shards on rank 0
+    # (ceil(rows / 8) rows of each parameter: FSDP2 pads dim 0 to a multiple of the ranks)
+    from bench import fullsize_wan22 as bw22
+    cfg = dict(bf.load_config(os.path.join(ROOT, bw22.a14b_config)), **TINY_WAN)
+    runs = []
+    for d in (4, 5, 6):
+        r = bf.measure(dict(cfg, num_layers=d), 'train', 5, 32, 64, world=8, fam=bw22.family('high', torch.bfloat16),
+                       n_store=1, rollout_n=1)
+        runs.append(dict(json.loads(json.dumps(r, default=str)), layers=d))
+    assert runs[0]['P_trainable'] * 2 == runs[0]['P']  # one expert of two trains
+    line = bw22.line(runs, 40)
+    assert line['check'] < 1e-6, line['check']
+    idle = bw22.idle_bytes(dict(line, categories=bf.categories(line), key='onebf16'))
+    frozen = bw22.build(dict(cfg, num_layers=40), 'high', torch.bfloat16).transformer_2
+    shard = sum(-(-p.shape[0] // 8) * p[0].numel() * p.element_size() for p in frozen.parameters())
+    assert idle == shard, (idle, shard)
