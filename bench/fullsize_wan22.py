@@ -224,12 +224,12 @@ def iterations(out):
 
 
 def readme_rows(out, gb):
-    """The README block's A14B rows, one a clip: each setup at the smallest sp that fits gb (the others,
-    and the offloaded figures: results/fullsize.md)."""
+    """The README block's A14B rows, one a clip: each setup train.py runs at the smallest sp that fits gb
+    (the others, the frozen expert in bf16 and the offloaded figures: results/fullsize.md)."""
     rows, it, short = [], iterations(out), {s[0]: s[5] for s in SETUPS}
     for clip in dict.fromkeys(k[1] for k in it):
         fits, over = [], False
-        for name in dict.fromkeys(k[0] for k in it):
+        for name in [n for n in dict.fromkeys(k[0] for k in it) if 'bf16' not in n]:  # train.py keeps fp32
             fit = sorted((sp, v[0] / GiB) for (s, c, sp), v in it.items() if (s, c) == (name, clip) and v[0] / GiB <= gb)
             if fit:
                 fits.append(f'{short.get(name, name)}, sp {fit[0][0]} **{fit[0][1]:.1f}**')
