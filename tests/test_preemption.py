@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from test_train import ROOT, metrics, run, weights
@@ -138,6 +139,7 @@ def trained(out):
     return [r['iter'] for r in metrics(out) if 'reward' in r]
 
 
+@pytest.mark.slow  # ~100 s alone, the suite's longest: .ci/run's slow tier keeps the README command < 10 min
 def test_sigterm_on_one_rank_at_every_kind_of_boundary_resume_bitwise(tmp_path):
     tmp = str(tmp_path)
     with open(os.path.join(tmp, 'eval.txt'), 'w') as f:  # one held-out prompt per rank: a cheap evaluation
