@@ -62,16 +62,16 @@ RULES = dict(a14b_depths=((lambda v: len(v) >= 2 and len(set(v)) == len(v) and m
 LAYERS = 40  # Wan 2.1 14B's blocks, and each A14B expert's
 # (name, key, experts that train, dtype of a frozen expert, LoRA rank, name in the README)
 SETUPS = (('full FT, both experts', 'both', 'both', None, 0, 'full FT of both'),
-          ('full FT, one expert, other frozen fp32 (train.py)', 'one', 'high', torch.float32, 0,
-           'full FT of one (other frozen fp32)'),
-          ('full FT, one expert, other frozen bf16', 'onebf16', 'high', torch.bfloat16, 0, 'of one (other bf16)'),
+          ('full FT, one expert, other frozen fp32', 'one', 'high', torch.float32, 0, 'of one (other fp32)'),
+          ('full FT, one expert, other frozen bf16 (train.py on GPUs)', 'onebf16', 'high', torch.bfloat16, 0,
+           'full FT of one (other frozen bf16)'),
           ('LoRA r64, both experts', 'lora', 'both', None, 64, 'LoRA r64 on both'))
 
 
 def build(cfg, experts='both', frozen=None, lora=0):
     """Experts of two WanTransformer3DModels of config cfg on the meta device, as models/policy.py's
     load_policy makes them under FSDP: LoRA adapters (fp32) on an fp32 base; experts != 'both': the
-    other frozen (Experts.freeze), cast to `frozen` except diffusers' _keep_in_fp32_modules."""
+    other frozen and held in `frozen` (Experts.freeze: bf16 is train.py's on GPUs)."""
     from diffusers import WanTransformer3DModel as T
     from models import wan
     with torch.device('meta'):
@@ -83,13 +83,7 @@ def build(cfg, experts='both', frozen=None, lora=0):
             for p in net.parameters():
                 if p.requires_grad:
                     p.data = p.data.float()
-    net.freeze(experts)
-    if frozen is not None and frozen != torch.float32:
-        keep = net._keep_in_fp32_modules or ()
-        for e in net.experts:
-            for n, p in e.named_parameters():
-                if not p.requires_grad and p.is_floating_point() and not any(k in n for k in keep):
-                    p.data = p.data.to(frozen)
+    net.freeze(experts, frozen or torch.float32)
     net.enable_gradient_checkpointing()
     return net
 
@@ -225,11 +219,11 @@ def iterations(out):
 
 def readme_rows(out, gb):
     """The README block's A14B rows, one a clip: each setup train.py runs at the smallest sp that fits gb
-    (the others, the frozen expert in bf16 and the offloaded figures: results/fullsize.md)."""
+    (the others, the frozen expert in fp32 and the offloaded figures: results/fullsize.md)."""
     rows, it, short = [], iterations(out), {s[0]: s[5] for s in SETUPS}
     for clip in dict.fromkeys(k[1] for k in it):
         fits, over = [], False
-        for name in [n for n in dict.fromkeys(k[0] for k in it) if 'bf16' not in n]:  # train.py keeps fp32
+        for name in [n for n in dict.fromkeys(k[0] for k in it) if 'fp32' not in n]:  # train.py: bf16 on GPUs
             fit = sorted((sp, v[0] / GiB) for (s, c, sp), v in it.items() if (s, c) == (name, clip) and v[0] / GiB <= gb)
             if fit:
                 fits.append(f'{short.get(name, name)}, sp {fit[0][0]} **{fit[0][1]:.1f}**')
@@ -252,7 +246,7 @@ def a14b_report(out, g):
           f'rank), {c.get("a14b_rollout_batch", a14b_rollout_batch)} a rollout forward (x 2 CFG branches). One '
           'expert runs on real tokens (the high-noise one), the other, in the update, on one token (Experts.forward\'s '
           'collective padding); a rollout step runs one expert only. Setups: both experts trained; the high one trained '
-          'and the low one frozen, fp32 and sharded as train.py keeps it, and the same frozen expert in bf16; LoRA '
+          'and the low one frozen and sharded, in bf16 as train.py keeps it on GPUs (Experts.freeze), and in fp32; LoRA '
           f'r{c["lora_rank"]} on both (fp32 base, as load_policy keeps it under FSDP). AdamW state (train.py\'s Muon: '
           'less). Resident beside: ' + ', '.join(f'{k} {g(v)} GiB' for k, v in out['wan_extras'].items()) + '.', '']
     val = out.get('a14b_check', [])

@@ -7,8 +7,9 @@
 # Memory (results/fullsize.md, "Wan 2.2 T2V-A14B", bench/fullsize_wan22.py: 8 GPUs, 81x480x832, 40 steps
 # and 32 clips stored, the VAE and VideoAlign resident): LoRA r64 on both experts at sp 2 peaks at 50.0
 # GiB a GPU (sp 1: 69.9). A full fine-tune of both experts is over 80 GB at every sp (99.3 at sp 4); of one
-# (experts 'high' or 'low', the other frozen): 72.9 at sp 4 with --lora_rank=0 --learning_rate=1e-5
-# --experts=high --sp_size=4. At 81x720x1280 only LoRA at sp 4 fits (72.6).
+# (experts 'high' or 'low', the other frozen, held in bf16 on GPUs): 69.6 at sp 4 with --lora_rank=0
+# --learning_rate=1e-5 --experts=high --sp_size=4 (sp 2: 77.9, too little headroom on an 80 GB GPU).
+# At 81x720x1280 only LoRA at sp 4 fits (72.6).
 model = 'weights/Wan2.2-T2V-A14B'
 shift = 12.0
 num_steps = 40

@@ -55,7 +55,8 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
     base_dtype: of the frozen base weights of a LoRA run; default bf16 for LoRA on one GPU (8.3B:
     17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32.
     experts: of a two-expert model (Wan 2.2 A14B), which train: 'both', 'high' or 'low' (the other
-    frozen: requires_grad False, so the optimizer, the anchor and the checkpoints leave it out)."""
+    frozen: requires_grad False, so the optimizer, the anchor and the checkpoints leave it out; bf16
+    on a GPU, where it computes in bf16 anyway: Experts.freeze)."""
     master = not fsdp or dist.get_rank() == 0
     fam = family(path)
     net = load_transformer(path, meta=not master, attention=attention, backend=backend)
@@ -76,7 +77,7 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
         if not hasattr(net, 'freeze'):
             raise SystemExit(f"experts={experts!r}: {path!r} has one transformer; only a two-expert model "
                              "(Wan 2.2 T2V-A14B) trains one expert of two")
-        net.freeze(experts)
+        net.freeze(experts, torch.bfloat16 if torch.device(device).type == 'cuda' else torch.float32)
     if checkpointing:
         net.enable_gradient_checkpointing()  # recompute each block's activations in backward
     if not fsdp:  # fp32 trained weights; on a GPU velocity() computes in bf16 under autocast

@@ -32,7 +32,8 @@ may mix both (the update trains random steps of each clip). guidance() gives eac
 guidance scale: the run's `cfg` is WanPipeline's guidance_scale (the high-noise expert's; Wan's recipe
 4.0), the low-noise expert's is Experts.guidance_2 (WanPipeline's guidance_scale_2; Wan's recipe 3.0,
 GUIDANCE_2), so cfg 4.0 is the recipe. train.py's `experts` picks which train ('both'; 'high' or 'low':
-the other frozen, requires_grad False, so neither the optimizer, the anchor nor a checkpoint holds it).
+the other frozen, requires_grad False, so neither the optimizer, the anchor nor a checkpoint holds it;
+bf16 on a GPU: Experts.freeze).
 Under torch.distributed the ranks agree on the experts a forward runs (a max of two flags over the
 ranks), in one order, and a rank none of whose samples need one runs it on one token, its output
 times 0: ranks whose samples route differently run the same FSDP collectives.
@@ -149,12 +150,21 @@ class Experts(torch.nn.Module):
                 v = v + 0 * out.sum()
         return v
 
-    def freeze(self, experts):
-        """Train only `experts` ('high' | 'low'; 'both': no change): the other's parameters requires_grad False."""
+    def freeze(self, experts, dtype=torch.float32):
+        """Train only `experts` ('high' | 'low'; 'both': no change): the other's parameters requires_grad
+        False and held in `dtype`, except diffusers' _keep_in_fp32_modules (norms, time embedding). The
+        loader passes bf16 on a GPU, the dtype the expert computes in there (FSDP's param_dtype, or
+        autocast on one GPU, rounds fp32 weights to bf16 the same way), so its forward is unchanged and
+        it holds half the memory: 14B frozen, 3.3 GiB a GPU over 8 (results/fullsize.md)."""
         if experts not in EXPERTS:
             raise SystemExit(f'experts must be one of {EXPERTS}, got {experts!r}')
         if experts != 'both':
-            (self.transformer_2 if experts == 'high' else self.transformer).requires_grad_(False)
+            frozen = self.transformer_2 if experts == 'high' else self.transformer
+            frozen.requires_grad_(False)
+            keep = frozen._keep_in_fp32_modules or ()
+            for name, p in frozen.named_parameters():  # buffers (rope tables) stay as they are
+                if p.is_floating_point() and not any(k in name for k in keep):
+                    p.data = p.data.to(dtype)
         return self
 
     def enable_gradient_checkpointing(self):

@@ -11,7 +11,8 @@ random-weight two-expert pipeline (tests/tiny_wan.py TINY_A14B: Wan 2.1's parts 
   from the 2-rank run's iteration-2 checkpoint (another world size); an SDE window whose two steps straddle the
   boundary trains both experts; the export is transformer/ and transformer_2/, each loadable by
   WanTransformer3DModel.from_pretrained and the trained weights; with experts='high' the low-noise
-  expert is in no checkpoint and stays bitwise the base (sample.py renders from that checkpoint); LoRA on
+  expert is in no checkpoint and stays bitwise the base (sample.py renders from that checkpoint), and held
+  in bf16 (as on a GPU) it computes as in fp32 under bf16 autocast; LoRA on
   one expert exports merged weights and each expert's adapter.
 python -m pytest tests/test_wan22.py
 """
@@ -222,6 +223,25 @@ def test_sde_window_across_the_boundary_trains_both_experts(root, tmp_path, monk
     across, below = trained(1), trained(2)
     assert across['transformer.'] > 0 and across['transformer_2.'] > 0, across
     assert below['transformer.'] == 0 and below['transformer_2.'] > 0, below
+
+
+@torch.no_grad()
+def test_frozen_expert_in_bf16_computes_as_the_fp32_one_under_bf16_autocast(root):
+    # on a GPU the loader keeps the frozen expert in bf16 (half its memory): its forward is the one the
+    # fp32 expert has there, where compute is bf16 (FSDP's param_dtype or autocast round each weight to
+    # bf16 alike). Here: CPU autocast, both experts' steps, against the same model frozen in fp32.
+    text, text_neg = cached_text(root, PROMPTS)
+    x = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(3))
+    s = torch.tensor([0.95, 0.4])  # one sample per expert
+    nets = [model.load_transformer(root).freeze('high', dt) for dt in (torch.float32, torch.bfloat16)]
+    low = nets[1].transformer_2
+    keep = [n for n, p in low.named_parameters() if p.dtype == torch.float32]
+    assert keep and all(any(k in n for k in low._keep_in_fp32_modules) for n in keep)  # norms, time embedding
+    assert low.proj_out.weight.dtype == torch.bfloat16 and nets[1].transformer.proj_out.weight.dtype == torch.float32
+    assert not any(p.requires_grad for p in low.parameters())
+    with torch.autocast('cpu', torch.bfloat16):
+        v32, v16 = (model.velocity(n, x, s, text, HIGH, text_neg) for n in nets)
+    assert torch.equal(v32, v16)
 
 
 def test_train_high_expert_only_keeps_low_bitwise(root, tmp_path, monkeypatch):
