@@ -141,10 +141,17 @@ def verdict(ci):
     return 'holds' if ci['lo'] > 0 else 'fails' if ci['hi'] < 0 else 'cannot be told'
 
 
+def num(x, p=3):
+    """x signed at p decimals; a nonzero x that would print as 0 there in 2 significant digits (+2.1e-04)."""
+    return f'{x:+.1e}' if x and abs(x) < 0.5 * 10 ** -p else f'{x:+.{p}f}'
+
+
 def fmt(ci, p=3):
     if ci['n'] < 2:
         return '-'
-    return f'{ci["mean"]:+.{p}f} [{ci["lo"]:+.{p}f}, {ci["hi"]:+.{p}f}]'
+    if max(abs(ci['lo']), abs(ci['hi'])) >= 0.5 * 10 ** -p:  # the interval reads at p decimals
+        return f'{ci["mean"]:+.{p}f} [{ci["lo"]:+.{p}f}, {ci["hi"]:+.{p}f}]'
+    return f'{num(ci["mean"], p)} [{num(ci["lo"], p)}, {num(ci["hi"], p)}]'  # all of it under the last decimal
 
 
 def first_reach(run, thr):
@@ -219,7 +226,7 @@ def short_row(head, items):
     for b, v, ci in items:
         b = b.split(' (')[0]  # 'none (kl_max 1, 2 updates)' -> 'none': the claim names the setting
         if v in ('holds', 'fails'):
-            cols[v].append(f'{b} ({ci["mean"]:+.{1 if abs(ci["mean"]) >= 1 else 3}f})')
+            cols[v].append(f'{b} ({ci["mean"]:+.1f})' if abs(ci['mean']) >= 1 else f'{b} ({num(ci["mean"])})')
         else:
             cols['open'].append(b + ('' if v == 'cannot be told' else f' ({v})'))
     return [head] + [', '.join(c) or '-' for c in cols.values()]
