@@ -22,6 +22,7 @@ iteration), and with a rank stuck.
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -43,7 +44,23 @@ CHECKOUT = ('assets', 'config', 'prompts')  # linked into every node's working d
 
 
 def free_port():
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
+    handed again, between this check and the agent's bind, to any outgoing connection of the machine (gloo
+    opens many: a test beside this one), and the rendezvous then fails to start."""
+    try:
+        low = int(open('/proc/sys/net/ipv4/ip_local_port_range').read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(('localhost', port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # every try taken: the kernel's choice
         s.bind(('localhost', 0))
         return s.getsockname()[1]
 
