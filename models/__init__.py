@@ -49,6 +49,16 @@ def weights_missing(path, what, err, hub_id, local, hint=''):
                       f'and pass --model={local}{hint}')
 
 
+def hold_frozen(module, dtype, buffers=False):
+    """A frozen module's floating parameters (and buffers) held in `dtype`, except diffusers'
+    _keep_in_fp32_modules (norms, time embedding, Wan's rope tables): fp32 as its bf16 loading keeps them."""
+    keep = getattr(module, '_keep_in_fp32_modules', None) or ()
+    for name, t in [*module.named_parameters(), *(module.named_buffers() if buffers else ())]:
+        if t.is_floating_point() and not any(k in name for k in keep):
+            t.data = t.data.to(dtype)
+    return module
+
+
 def load_family(name):
     """The family file `name` (a value of FAMILIES), its interface checked."""
     fam = importlib.import_module(f'models.{name}')

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import sde
 from infra import sp
-from models import family, family_of
+from models import family, family_of, hold_frozen
 
 # FSDP2 warns that the transformer returns a view (an in-place op on it would skip the backward
 # all-gather); velocity() only ever applies out-of-place ops to it
@@ -65,10 +65,7 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
         net.requires_grad_(False)
         if base_dtype is None:
             base_dtype = torch.bfloat16 if not fsdp and torch.device(device).type == 'cuda' else torch.float32
-        keep = getattr(net, '_keep_in_fp32_modules', None) or ()  # Wan: rope tables, norms, time embedding,
-        for name, t in [*net.named_parameters(), *net.named_buffers()]:  # fp32 as diffusers' bf16 loading keeps them
-            if t.is_floating_point() and not any(k in name for k in keep):
-                t.data = t.data.to(base_dtype)
+        hold_frozen(net, base_dtype, buffers=True)
         net.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=fam.LORA_TARGETS))
         for p in net.parameters():  # peft builds adapters in the base's dtype: they (and so their
             if p.requires_grad:     # AdamW state and the anchor) stay fp32, master weights

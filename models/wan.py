@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from infra import sp
-from models import weights_missing
+from models import hold_frozen, weights_missing
 from models.attention import ATTENTIONS, backend as dispatcher_backend, ulysses_refuses
 
 PIPELINE = 'WanPipeline'
@@ -160,11 +160,7 @@ class Experts(torch.nn.Module):
             raise SystemExit(f'experts must be one of {EXPERTS}, got {experts!r}')
         if experts != 'both':
             frozen = self.transformer_2 if experts == 'high' else self.transformer
-            frozen.requires_grad_(False)
-            keep = frozen._keep_in_fp32_modules or ()
-            for name, p in frozen.named_parameters():  # buffers (rope tables) stay as they are
-                if p.is_floating_point() and not any(k in name for k in keep):
-                    p.data = p.data.to(dtype)
+            hold_frozen(frozen.requires_grad_(False), dtype)  # its buffers (rope tables) stay as they are
         return self
 
     def enable_gradient_checkpointing(self):
