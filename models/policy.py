@@ -103,8 +103,14 @@ def shard(net, blocks, cuda, mesh=None):
     # fp32 master shards, bf16 compute and fp32 gradient reduce-scatter: an update of lr 1e-5
     # would vanish in the rounding of bf16 weights
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
+    # a block's inputs are not cast: torch <= 2.12 cast them in the forward but not in the recompute of
+    # activation checkpointing (pytorch issue 159359), so the first backward stopped on fp32 RoPE tables
+    # where bf16 ones were saved. Uncast, the block computes under velocity()'s autocast, RoPE in fp32 as
+    # diffusers' own bf16 pipeline keeps it (tests/test_gpu_launch.py)
+    mp_block = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
     for block in blocks:  # the FSDP (and checkpointing) unit
-        fully_shard(block, mp_policy=mp, mesh=mesh)
+        fully_shard(block, mp_policy=mp_block, mesh=mesh)
     fully_shard(net, mp_policy=mp, mesh=mesh)
 
 
