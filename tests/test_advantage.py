@@ -87,3 +87,50 @@ def test_what_each_kind_does_with_a_saturated_component():
     grpo, _, _ = group_advantages(one.sum(-1))
     per, _ = component_advantages(one, (1.0,), 'per_component')
     assert torch.allclose(per, grpo / grpo.std(unbiased=False))
+
+
+# ----------------------------------------------------------------------------- slips, each against a hand count
+
+def test_a_component_flat_up_to_rounding_contributes_nothing():
+    # VQ of each group equal up to one float32 ulp (3e-8 apart, std 3e-8 < eps): no signal, so z = 0, not
+    # the rounding noise over eps (0.03, which the batch scale would then blow up to a unit advantage)
+    ulp = torch.nextafter(torch.tensor(0.9), torch.tensor(1.0)).item()
+    vq = [0.9, ulp, 0.9, ulp]
+    flat = torch.tensor([[[v, 0.5, 0.2] for v in vq], [[v, 0.3, 0.7] for v in vq]], dtype=torch.float32)
+    for kind in ('per_component', 'taros'):
+        adv, valid = component_advantages(flat, W, kind)
+        assert valid.all() and (adv == 0).all(), (kind, adv)
+    # beside a group that separates on TA (0, .3, .6, .9): the flat group gets exactly 0 and the other its
+    # z-scores (-3, -1, 1, 3) / sqrt(5), over the batch scale: the std of those and four zeros, 1 / sqrt(2)
+    mixed = torch.cat([flat[:1], torch.tensor([[[0.5, 0.5, t] for t in (0.0, 0.3, 0.6, 0.9)]])])
+    adv, _ = component_advantages(mixed, W, 'per_component')
+    z = torch.tensor([-3.0, -1.0, 1.0, 3.0]) / 5 ** 0.5
+    assert (adv[0] == 0).all(), adv
+    assert torch.allclose(adv[1], z * 2 ** 0.5, atol=1e-5), adv
+
+
+def test_a_group_of_one_valid_member_takes_no_part_in_the_batch_scale():
+    # groups 0 and 2 separate on TA (z = -1, +1), group 1 has one scored clip: its 0 stays out of the batch
+    # std, which is 1, so the others' advantages are exactly -1, +1 (with it counted: sqrt(5/4) larger)
+    nan = float('nan')
+    c = torch.tensor([[[0.3, 0.3, 0.0], [0.3, 0.3, 1.0]],
+                      [[0.3, 0.3, 0.5], [nan, 0.3, 0.5]],
+                      [[0.3, 0.3, 0.2], [0.3, 0.3, 0.6]]], dtype=torch.float64)
+    for kind in ('per_component', 'taros'):
+        adv, valid = component_advantages(c, W, kind)
+        assert valid.tolist() == [[True, True], [True, False], [True, True]]
+        assert adv[1].tolist() == [0.0, 0.0]
+        assert torch.allclose(adv, torch.tensor([[-1.0, 1.0], [0.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)), (kind, adv)
+
+
+def test_the_clip_is_symmetric():
+    # one outlier among 10 equal rewards: z = -+3 (mean 0.1, std 2.7 for 9 x 1 and -8), the others +-1/3;
+    # clipped at 2, a low outlier gives -2 as a high one gives +2
+    low = torch.tensor([[1.0] * 9 + [-8.0]], dtype=torch.float64)
+    for r, sign in ((low, 1), (-low, -1)):
+        adv, _, std = group_advantages(r, clip=2.0)
+        assert std.item() == pytest.approx(2.7)
+        assert adv[0, :9].tolist() == pytest.approx([sign / 3] * 9) and adv[0, 9].item() == -2.0 * sign, adv
+        # the same single component through component_advantages: z has std 1, so the batch scale is 1
+        comp, _ = component_advantages(r.unsqueeze(-1), (1.0,), 'per_component', clip=2.0)
+        assert comp[0, :9].tolist() == pytest.approx([sign / 3] * 9) and comp[0, 9].item() == -2.0 * sign, comp
