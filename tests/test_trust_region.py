@@ -112,6 +112,16 @@ def test_controller_ends_warmup_exactly():
     assert run([0.0] * 101)[99:] == [1e-5, 1e-5]
 
 
+
+def test_warmup_starts_at_kl_init_not_kl_min():
+    # kl_init 1e-6 above the floor kl_min 1e-7: the warm-up runs 1e-6 -> 1e-5 over 4 updates, by hand
+    # 1e-6 + 9e-6 k / 4; from the floor it would be 1e-7 + 9.9e-6 k / 4 (3.3e-6 vs 3.25e-6 at k = 1)
+    c = tr.KLController(lam_init=1e-6, lam_min=1e-7, lam_max=1e-5, warmup=4)
+    assert c.value == 1e-6  # the first optimizer step trains with kl_init
+    got = [c.update(1e-3) for _ in range(4)]
+    assert got == pytest.approx([3.25e-6, 5.5e-6, 7.75e-6, 1e-5], rel=1e-12, abs=0)
+    assert c.update(1e-3) == pytest.approx(0.9e-5, rel=1e-12)  # then the deadband rule (KL far above)
+
 def edge_kls():
     """KLs whose windows sit at the deadband's edges after the warm-up; returns (kls, checks), checks
     = [(update index, 'same' or factor)] saying what each edge update must do to lambda."""
