@@ -363,12 +363,39 @@ def _vision_rope_445(self, x, position_ids):
 def load(kind, videoalign_dir, qwen_dir, device, world=(None, None)):
     """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', frozen (no manifold
     distance: None), or 'world': `world`, the model family's own exact reward and manifold distance
-    (the toy's; models/__init__.py OPTIONAL), which a real model does not have."""
+    (the toy's; models/__init__.py OPTIONAL), which a real model does not have. Either reward_fn
+    scores a clip with a non-finite frame NaN (FiniteFrames)."""
     if kind == "world":
         if world[0] is None:
             raise SystemExit("reward_model='world': this model has no reward of its own; use reward_model='videoalign'")
-        return world
-    return load_videoalign(videoalign_dir, qwen_dir, device), None
+        return FiniteFrames(world[0]), world[1]
+    return FiniteFrames(load_videoalign(videoalign_dir, qwen_dir, device)), None
+
+
+class FiniteFrames:
+    """reward_fn whose clips with a NaN or inf frame (a bf16 decoder's overflow) score NaN in every
+    output, so they leave their group as a NaN reward does, instead of failing the reward's input check
+    on one rank while the others wait in a collective. Such clips are scored as black frames (same keys
+    and shapes on every rank), then set NaN. Its other attributes are reward_fn's (sample_fps)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+    def __call__(self, frames, prompts, fps, fn=None):
+        fn = fn or self.fn
+        bad = ~torch.isfinite(frames.detach()).flatten(1).all(1)  # (B,)
+        if not bad.any():
+            return fn(frames, prompts, fps)
+        at = lambda t: bad.to(t.device).view(-1, *[1] * (t.dim() - 1))  # noqa: E731
+        scores = fn(torch.where(at(frames), 0.0, frames), prompts, fps)
+        return {k: torch.where(at(v), float("nan"), v) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in scores.items()}
+
+    def score(self, frames, prompts, fps):  # score_and_grad's differentiable call, guarded alike
+        return self(frames, prompts, fps, getattr(self.fn, "score", self.fn))
 
 
 def load_videoalign(checkpoint_dir, qwen_dir, device="cpu", dtype=torch.bfloat16):

@@ -22,6 +22,7 @@ checkpoint at the next forward, process groups and sequence parallel), the optio
 extras/ (TVRL credit, CLIPScore/PickScore, gradient-norm diagnostics).
 """
 import json
+import math
 import os
 import time
 
@@ -35,6 +36,7 @@ from reward import DIMS, combine, component_advantages, group_advantages, load a
 from trust_region import STRATEGIES, Anchor, KLController, gaussian_kl, kl_weights
 from extras import credit as tvrl, diagnostics, metrics
 from infra import checkpoint, parallel, prompt_cache, rundir, sp
+from infra.versions import check as check_versions
 from infra.configurator import configure, list_of, one_of
 from infra.optimizer import build as build_optimizers, zero_grad
 from infra.preemption import Preemption
@@ -126,6 +128,7 @@ max_iters = 300                 # rollout batches
 learning_rate = 1e-5            # constant
 weight_decay = 0.01
 grad_clip = 1.0
+nonfinite_stop = 3              # optimizer steps in a row skipped for a non-finite gradient norm that stop the run
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
 experts = 'both'                # two-expert models (Wan 2.2 A14B): which train, 'both' | 'high' | 'low'
                                 # (the other frozen: in no optimizer, anchor or checkpoint)
@@ -164,6 +167,7 @@ train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
 eval_list, _ = prompt_cache.read_prompts(eval_prompts)
 parallel.check_shared(out_dir, 'out_dir', master)  # every rank sees rank 0's out_dir, or all stop
 quiet = print if master else lambda m: None
+check_versions(quiet)  # one line if diffusers or transformers is outside requirements.txt's tested range
 # out_dir locked for this run, and how it begins: from the checkpoints of the run it holds, or at 0
 ckpts, history = rundir.claim(config, master, log=quiet)
 quiet(json.dumps(config, indent=1))
@@ -203,6 +207,7 @@ sigmas = sde.sigmas(num_steps, shift).to(device)        # (N + 1,) from 1.0 to 0
 stochastic = [i for i in range(num_steps)
               if sde.variance(sampler, sigmas[i].item(), sigmas[i + 1].item(), eta) > 0]
 n_train = max(1, round(timestep_fraction * min(sde_window or num_steps, len(stochastic))))
+on_policy = updates_per_iter == 1  # every micro-batch's forward is at theta_old (step_loss)
 
 
 def text_for(prompts):
@@ -231,6 +236,7 @@ def initial_noise(prompts, ids, gens):
 
 
 iter_num, opt_steps, eval_owed = 0, 0, True  # a fresh run owes the base model's evaluation
+skipped_in_row = 0  # optimizer steps skipped in a row for a non-finite gradient norm
 passes = dict.fromkeys(PASS_KINDS, 0)  # transformer passes by kind, all ranks (model.count_passes)
 alarm = Alarm(alarm_z)  # compares each evaluation with the base model's (iteration 0)
 loop = checkpoint.resume(ckpts, policy, optimizers, anchor, log=quiet)  # each rank: its own slices
@@ -270,7 +276,14 @@ def step_loss(clips, b, t, eq_scale, lam, denom):
     # both CFG branches carry gradients: the rollout policy is the guided velocity
     v = velocity(policy, x, s, text, cfg, text_neg)
     new = sde.step(x, v, s, s_next, sampler, eta, x_next=x_next, weight=weight)  # mean, std, logp
-    ratio = torch.exp(new.logp - clips['logps'][b, t])                          # (n,)
+    drift = (new.logp.detach() - clips['logps'][b, t]).abs()  # the rollout's forward vs this one (n,)
+    # one optimizer step per rollout batch: theta == theta_old, so the old log-prob and mean are this
+    # forward's own, detached. The rollout's differ by the rounding of another batch shape (bf16 on a GPU:
+    # |d logp| beyond clip_range at the late steps), which would clip away every losing clip's gradient
+    # (docs/method.md 4.6); with updates_per_iter > 1 they are recomputed in this shape (recompute_old)
+    logp_old, mean_old = (new.logp.detach(), new.mean.detach()) if on_policy else \
+        (clips['logps'][b, t], clips['means'][b, t])
+    ratio = torch.exp(new.logp - logp_old)                                      # (n,)
     adv = clips['adv'][b]                                                        # (n,)
     # PPO's pessimistic clip: the unclipped term's gradient flows only where clipping would not make the
     # objective more optimistic; scaled by the equalizer's S_t of each clip's step
@@ -278,12 +291,29 @@ def step_loss(clips, b, t, eq_scale, lam, denom):
     if kl_pos_weight:
         kl_pos = gaussian_kl(new.mean, mean_anchor, new.std)          # position: to the anchor
     if kl_vel_weight:  # velocity: to the rollout policy, exact, or the released one-sample estimate
-        kl_vel = gaussian_kl(new.mean, clips['means'][b, t], new.std) if kl_estimator == 'exact' \
-            else clips['logps'][b, t] - new.logp  # (n,) 0 in expectation at theta_old, its gradient not
+        kl_vel = gaussian_kl(new.mean, mean_old, new.std) if kl_estimator == 'exact' \
+            else logp_old - new.logp  # (n,) 0 in expectation at theta_old, its gradient not
     per_clip = policy_term + lam * (kl_pos_weight * kl_pos + kl_vel_weight * kl_vel)  # (n,)
-    terms = dict(policy=policy_term, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv, valid=clips['valid'][b])
+    terms = dict(policy=policy_term, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv, valid=clips['valid'][b],
+                 drift=drift if on_policy else None)
     # a NaN-reward clip drops out whole; where(), not a product: 0 * NaN would leak in
     return torch.where(clips['valid'][b] > 0, per_clip, 0.0).sum() / denom, terms
+
+
+@torch.no_grad()
+def recompute_old(clips, micro, order, stats):
+    """updates_per_iter > 1: the old log-probs and means of the trained steps recomputed at theta_old in
+    the update's own batch shape (train_batch clips a forward) before its first optimizer step, so that
+    the ratio measures the policy's move, not the rounding of the rollout's other batch shape."""
+    for b, k in preemption.points(micro):
+        t = order[b, k]
+        x, x_next, s, s_next = clips['xs'][b, t], clips['xs'][b, t + 1], sigmas[t], sigmas[t + 1]
+        text, text_neg = text_for([clips['prompts'][i] for i in b])
+        weight = clips['credit'][b] if credit == 'tvrl' else None
+        old = sde.step(x, velocity(policy, x, s, text, cfg, text_neg), s, s_next, sampler, eta, x_next=x_next,
+                       weight=weight)
+        stats.drifted((old.logp - clips['logps'][b, t]).abs())
+        clips['logps'][b, t], clips['means'][b, t] = old.logp, old.mean
 
 
 def gradient_norms(clips, steps, eq_scale, lam):
@@ -388,6 +418,10 @@ while iter_num < max_iters:
                          for i in clip_ids])  # (n, n_train) the trained steps of each clip
     stats = diagnostics.UpdateStats(n_local * n_train, clip_range)  # what the log shows of it
     chunks = [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]
+    if not on_policy:
+        recompute_old(clips, [(list(range(n_local))[i:i + train_batch], k) for i in range(0, n_local, train_batch)
+                              for k in range(n_train)], order, stats)
+        count_passes(passes, ('old',), device)
     bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
     for chunk in chunks:  # one optimizer step each
         zero_grad(optimizers)  # never policy.zero_grad() under FSDP2 (infra/optimizer.py)
@@ -404,10 +438,20 @@ while iter_num < max_iters:
             loss.backward()
             stats.add(loss, terms)
             kls.append((kl_pos_weight * terms['kl_pos'] + kl_vel_weight * terms['kl_vel']).mean().item())
-            if kl_update == 'backward':  # released: this rank's KL of this backward (the ranks'
-                controller.update(kls[-1])  # lambdas differ; a checkpoint keeps rank 0's)
+            if kl_update == 'backward' and math.isfinite(kls[-1]):  # released: this rank's KL of this
+                controller.update(kls[-1])  # backward (the ranks' lambdas differ; a checkpoint keeps rank 0's)
             bar.update(len(b))
-        stats.stepped(torch.nn.utils.clip_grad_norm_(params, grad_clip), len(chunks))
+        norm = diagnostics.whole(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # global: every rank alike
+        stats.stepped(norm, len(chunks))
+        if not math.isfinite(norm):  # a NaN or inf gradient would make every weight NaN: no step
+            skipped_in_row += 1
+            zero_grad(optimizers)
+            if skipped_in_row >= nonfinite_stop:
+                raise SystemExit(f'iteration {iter_num + 1}: {skipped_in_row} optimizer steps in a row had a '
+                                 f'non-finite gradient norm ({norm}); none was taken, and the newest checkpoint in '
+                                 f'{out_dir} is the last good one')
+            continue
+        skipped_in_row = 0
         for o in optimizers:
             o.step()
         zero_grad(optimizers)  # freed now: gradients do not live through the next rollout and eval

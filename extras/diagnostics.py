@@ -1,8 +1,10 @@
 """
 What train.py measures of its update, for the log:
-- UpdateStats: the loss, the mean KL terms, the fraction of clipped ratios, the largest |ratio - 1|
-  and the gradient norm of an iteration's update, summed over its micro-batches and then averaged
-  over the ranks;
+- UpdateStats: the loss, the mean KL terms, the fraction of clipped ratios, the largest |ratio - 1|,
+  the gradient norm and the optimizer steps skipped for a non-finite one, of an iteration's update,
+  summed over its micro-batches and then averaged over the ranks; and the drift |d logp| between the
+  rollout's log-probs and the update's recomputation at theta_old (the rounding of two batch shapes:
+  docs/method.md 4.6), its mean, its largest and the fraction beyond clip_range;
 - gradient_norms (diag_every; off by default): the gradient norm of one clip's policy term at the
   first and the last trained step, without and with the equalizer's S_t (the paper's Fig. 3: S_t
   evens them out, docs/method.md section 3), and the ratio of its KL term's gradient norm to its
@@ -17,6 +19,8 @@ accumulation.
 
 Tested by: python -m pytest tests/test_train_ranks.py (the same figures on 2 ranks and 1 process)
 """
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -28,10 +32,22 @@ class UpdateStats:
     def __init__(self, n_terms, clip_range):
         """n_terms: the (clip, trained step) terms of this rank's update, over all optimizer steps."""
         self.n, self.clip_range = n_terms, clip_range
-        self.sums = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0)
+        self.sums = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0,
+                         skipped=0, drift=0.0, drift_n=0, drift_out=0, drift_max=0.0)
+
+    def drifted(self, d):
+        """|logp_rollout - logp_recomputed| (n,) of some terms at theta_old."""
+        s = self.sums
+        s['drift'] += d.sum().item()
+        s['drift_n'] += d.numel()
+        s['drift_out'] += int((d > self.clip_range).sum())
+        s['drift_max'] = max(s['drift_max'], d.max().item())
 
     def add(self, loss, terms):
-        """One micro-batch: its loss and its per-clip terms {'kl_pos', 'kl_vel', 'ratio'} (n,)."""
+        """One micro-batch: its loss and its per-clip terms {'kl_pos', 'kl_vel', 'ratio', 'drift'} (n,)
+        (drift None: measured by recompute_old)."""
+        if terms.get('drift') is not None:
+            self.drifted(terms['drift'])
         ratio_dev = (terms['ratio'] - 1).abs()  # vs clip_range; float noise at theta_old
         s = self.sums
         s['loss'] += loss.item()
@@ -41,17 +57,24 @@ class UpdateStats:
         s['ratio_max'] = max(s['ratio_max'], ratio_dev.max().item())
 
     def stepped(self, grad_norm, n_steps):
-        """One optimizer step's gradient norm (clip_grad_norm_'s), of n_steps this iteration."""
-        self.sums['grad_norm'] += whole(grad_norm) / n_steps
+        """One optimizer step's gradient norm (a float, clip_grad_norm_'s), of n_steps this iteration;
+        a non-finite one counts as skipped (train.py takes no step)."""
+        self.sums['grad_norm'] += grad_norm / n_steps
+        self.sums['skipped'] += not math.isfinite(grad_norm)
 
     def row(self, device, sp_size=1, dp_group=None):
         """The log's figures: means over the ranks (an sp group's ranks each hold the whole loss of
         their clips, hence / sp_size), the largest ratio deviation of any rank; collective."""
-        mean = lambda k: parallel.mean(self.sums[k], device)  # noqa: E731
-        ratio_max = torch.tensor([self.sums['ratio_max']], device=device)
+        s = self.sums
+        mean = lambda k: parallel.mean(s[k], device)  # noqa: E731
+        top = parallel.gather(torch.tensor([[s['ratio_max'], s['drift_max']]], device=device), dp_group).amax(0)
+        drift = parallel.gather(torch.tensor([[s['drift'], s['drift_n'], s['drift_out']]], device=device,
+                                             dtype=torch.float64), dp_group).sum(0)  # (3,) over data-parallel ranks
+        n = max(1.0, drift[1].item())
         return dict(loss=mean('loss') / sp_size, kl_pos=mean('kl_pos'), kl_vel=mean('kl_vel'),
-                    clipfrac=mean('clipfrac'), grad_norm=self.sums['grad_norm'],
-                    ratio_max=parallel.gather(ratio_max, dp_group).max().item())
+                    clipfrac=mean('clipfrac'), grad_norm=s['grad_norm'], ratio_max=top[0].item(),
+                    skipped_steps=s['skipped'], logp_drift_mean=drift[0].item() / n, logp_drift_max=top[1].item(),
+                    logp_drift_frac=drift[2].item() / n)
 
 
 def grad_norm(loss, optimizers, weight):

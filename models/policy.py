@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import sde
-from infra import sp
+from infra import parallel, sp
 from models import family, family_of, hold_frozen
 
 # FSDP2 warns that the transformer returns a view (an in-place op on it would skip the backward
@@ -46,12 +46,14 @@ def transformer_config(path):
 
 
 def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base_dtype=None, attention=None,
-                backend=None, mesh=None, experts='both'):
+                backend=None, mesh=None, experts='both', solo_timeout=60.0):
     """The trainable transformer: LoRA adapters if lora_rank > 0, FSDP2-sharded per block and at
     the root when fsdp, over `mesh` (None: flat over all ranks; 2-D: HSDP, parallel.fsdp_mesh).
     Under FSDP only rank 0 reads the base model from disk; the other ranks build on the meta device
     and receive their shards by broadcast, so no process ever holds more than one full copy in host
-    memory. Trained weights are read into it afterwards (infra/checkpoint.py).
+    memory. While rank 0 reads (and upcasts to fp32: minutes at 8.3B) the others wait on the c10d store
+    for at most solo_timeout minutes (parallel.solo), not in the broadcast, whose dist_timeout counts
+    only the broadcast itself. Trained weights are read into it afterwards (infra/checkpoint.py).
     base_dtype: of the frozen base weights of a LoRA run; default bf16 for LoRA on one GPU (8.3B:
     17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32.
     experts: of a two-expert model (Wan 2.2 A14B), which train: 'both', 'high' or 'low' (the other
@@ -59,7 +61,9 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
     on a GPU, where it computes in bf16 anyway: Experts.freeze)."""
     master = not fsdp or dist.get_rank() == 0
     fam = family(path)
-    net = load_transformer(path, meta=not master, attention=attention, backend=backend)
+    read = lambda meta: load_transformer(path, meta=meta, attention=attention, backend=backend)  # noqa: E731
+    # under FSDP rank 0 reads the full model while the others wait on the store; then they build on meta
+    net = read(False) if not fsdp else parallel.solo(lambda: read(False), 'load_policy', solo_timeout) or read(True)
     if lora_rank > 0:  # freeze the base, train only the adapters (diffusers' peft integration)
         from peft import LoraConfig
         net.requires_grad_(False)
@@ -171,7 +175,7 @@ def _cat_text(a, b):
 # transformer passes of this process since the last count_passes(), [without grad, with grad]: a pass
 # is one clip through the transformer for one CFG branch (a forward; with grad, forward + backward)
 PASSES = [0, 0]
-PASS_KINDS = ('rollout', 'anchor', 'update', 'diag_anchor', 'diag', 'eval')  # train.py's; with grad: update, diag
+PASS_KINDS = ('rollout', 'old', 'anchor', 'update', 'diag_anchor', 'diag', 'eval')  # train.py's; with grad: update, diag
 
 
 def count_passes(totals, kinds, device='cpu'):
