@@ -138,6 +138,58 @@ def test_ode_sampling_is_the_pipeline_loop(root, pipe, encoded):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+
+@torch.no_grad()
+def test_a_step_at_the_boundary_goes_to_the_high_noise_expert(root, pipe, encoded):
+    # 8 steps at shift 1: sigma 0.875 at step 1 is the boundary exactly (timestep 875 = boundary_ratio *
+    # num_train_timesteps), and WanPipeline gives it to `transformer` (t >= boundary_timestep); so must Experts
+    N = 8
+    sigmas = euler(pipe, N, 1.0)
+    assert sigmas[1].item() == 0.875
+    calls = []
+    hooks = [getattr(pipe, name).register_forward_hook(lambda m, a, kw, out, name=name: calls.append(name),
+                                                       with_kwargs=True) for name in ('transformer', 'transformer_2')]
+    try:
+        x = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(0))
+        pipe(prompt_embeds=encoded[0][:1].float(), negative_prompt_embeds=encoded[1][:1].float(), latents=x,
+             num_frames=9, height=32, width=32, num_inference_steps=N, guidance_scale=HIGH, guidance_scale_2=LOW,
+             output_type='latent')
+    finally:
+        for h in hooks:
+            h.remove()
+    experts = calls[::2]  # cond, uncond each step
+    assert experts == ['transformer'] * 2 + ['transformer_2'] * 6, experts
+    net = model.load_transformer(root)
+    assert net.high(sigmas[:-1]).tolist() == [e == 'transformer' for e in experts]
+    assert net.high(torch.tensor([0.875, 0.87499994, 0.8750001])).tolist() == [True, False, True]  # float32 neighbours
+
+
+class Frozen(Exception):
+    """Raised where the loader holds a frozen expert or base: the dtype it chose is known."""
+
+
+@pytest.mark.parametrize('device,dtype', [('cpu', torch.float32), ('cuda', torch.bfloat16), ('cuda:3', torch.bfloat16)])
+def test_frozen_expert_dtype_follows_the_device_type(root, monkeypatch, device, dtype):
+    # any CUDA device name holds the frozen expert (and a LoRA run's frozen base) in bf16, 'cuda:3' as 'cuda';
+    # no GPU needed: the loader stops where it freezes, before anything moves to the device
+    from models import wan
+    chosen = []
+
+    def freeze(self, experts, dt=torch.float32):
+        chosen.append(dt)
+        raise Frozen
+
+    def hold(module, dt, buffers=False):
+        chosen.append(dt)
+        raise Frozen
+    monkeypatch.setattr(wan.Experts, 'freeze', freeze)
+    with pytest.raises(Frozen):
+        model.load_policy(root, device, experts='high')
+    monkeypatch.setattr(model, 'hold_frozen', hold)
+    with pytest.raises(Frozen):
+        model.load_policy(root, device, lora_rank=4)
+    assert chosen == [dtype, dtype], (device, chosen)
+
 def test_one_expert_setting_needs_two(root, tmp_path):
     one = make_tiny_wan(tmp_path / 'wan21')
     with pytest.raises(SystemExit, match='has one transformer'):
