@@ -56,6 +56,29 @@ def test_interval_covers_the_true_mean_95_percent():
     assert abs(hits / n_trials - 0.95) < 0.012, hits / n_trials  # 3.5 binomial standard errors
 
 
+
+def test_lower_is_better_is_signed_alike_on_both_sides():
+    # the manifold distance, lower better: the reference at 0.05 + 0.001 s, the other at 0.07 + 0.002 s on
+    # seed s, so the reference's advantage is +(0.02 + 0.001 s) a seed, mean +0.022 (a side left unsigned
+    # would give about -0.12); the composite, higher better, +0.1 on every seed. bench.verdicts' advantage
+    # and curve, and bench.paper's compare, the same numbers
+    bv, bp = load(), load('paper')
+
+    def run(manifold, composite):
+        evals = [dict(iter=i, composite=composite, VQ=0.3, manifold=manifold) for i in range(0, 61, 5)]
+        return dict(evals=evals, iters=[dict(group_std=0.2)])
+    runs = {'ref': [run(0.05 + 0.001 * s, 0.6) for s in range(5)],
+            'other': [run(0.07 + 0.002 * s, 0.5) for s in range(5)]}
+    want = [0.02 + 0.001 * s for s in range(5)]
+    for ci in (bv.advantage(runs, 'ref', 'other', 'manifold'), bp.compare(runs, 'ref', 'other', 'manifold')):
+        assert ci['diffs'] == pytest.approx(want) and ci['mean'] == pytest.approx(0.022) and bv.verdict(ci) == 'holds'
+    its, cis = bv.curve_of(runs, 'ref', 'other', 'manifold')
+    assert its == list(range(0, 61, 5)) and all(c['diffs'] == pytest.approx(want) for c in cis)
+    for ci in (bv.advantage(runs, 'ref', 'other', 'composite'), bp.compare(runs, 'ref', 'other', 'composite')):
+        assert ci['diffs'] == pytest.approx([0.1] * 5)
+    # the other way round: the other cell is nearer the manifold, the claim fails
+    assert bv.verdict(bv.advantage(runs, 'other', 'ref', 'manifold')) == 'fails'
+
 def fake_run(bc, base, shift, iters=60, every=5):
     """A cell's cached dict: held-out composite base + shift * progress, manifold mirrored."""
     evals = [dict(iter=i, composite=base + shift * i / iters, VQ=0.3 + shift * i / iters, MQ=0.3, TA=0.3,
