@@ -19,7 +19,7 @@ import os
 import torch
 
 import sde
-from reward import SETTING_B, combine, load_videoalign
+from reward import SETTING_B, combine
 from extras import metrics
 from infra import checkpoint as checkpoint_lib
 from infra.configurator import configure, list_of, number, one_of, prompt_or_file
@@ -27,6 +27,7 @@ from models import attention as attention_lib, family
 from models.evaluate import frame_stats
 from models.policy import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
     sample, save_mp4
+from models.videoalign import load_videoalign
 
 # ----------------------------------------------------------------------------- settings
 model = 'assets/toy'            # the base model: a diffusers directory, or the toy world's

@@ -25,6 +25,7 @@ import torch
 from extras import credit
 import reward
 from models import toy
+from models.videoalign import load_videoalign
 from infra.configurator import configure
 
 out = 'results'  # output folder
@@ -59,12 +60,12 @@ def timed(fn):
 
 def cost_row(name, reward_fn, frames, prompts, fps):
     plain = lambda: reward_fn(frames, prompts, fps)
-    both = lambda: reward.score_and_grad(reward_fn, frames, prompts, fps)
+    both = lambda: reward.score_and_grad(reward_fn, frames, prompts, fps, reward.SETTING_B)
     t0, t1 = timed(plain), timed(both)
 
     def forward_with_grad():
         x = frames.detach().float().requires_grad_(True)
-        reward.combine(getattr(reward_fn, 'score', reward_fn)(x, prompts, fps))
+        reward.combine(getattr(reward_fn, 'score', reward_fn)(x, prompts, fps), reward.SETTING_B)
     mem = saved_bytes(forward_with_grad) + frames.numel() * 4  # + the float32 pixel gradient
     return dict(name=name, clips=len(frames), video=list(frames.shape[1:]), reward_s=t0, with_grad_s=t1,
                 ratio=t1 / t0, backward_mib=mem / 2**20, frames_mib=frames.numel() * 4 / 2**20)
@@ -81,7 +82,7 @@ def cost():
     sys.path.insert(0, 'tests')
     from tiny_videoalign import make_tiny_videoalign
     with tempfile.TemporaryDirectory() as d:
-        va = reward.load_videoalign(*make_tiny_videoalign(d), dtype=torch.float32)
+        va = load_videoalign(*make_tiny_videoalign(d), dtype=torch.float32)
         for F_, H, W, fps in ((9, 32, 32, 8), (81, 352, 624, 24)):
             frames = torch.rand(2, F_, 3, H, W, generator=g)
             rows.append(cost_row(f'tiny VideoAlign {F_}x{H}x{W} @{fps}fps', va, frames, ['a cat walks'] * 2, fps))
@@ -99,7 +100,7 @@ def picture():
     prompts = ['a red circle moving left', 'a blue square moving up', 'a green cross moving right',
                'a yellow triangle moving down']
     frames = toy.sample(toy.load_model(), prompts, range(len(prompts)))  # (4, F, 3, H, W) base model, ODE
-    scores, g = reward.score_and_grad(toy.reward, frames, prompts, toy.FPS)
+    scores, g = reward.score_and_grad(toy.reward, frames, prompts, toy.FPS, reward.SETTING_B)
     c = credit.credit_map(g, toy.LATENT_SHAPE)[:, 0]  # (4, F, 6, 6)
     up = c.repeat_interleave(toy.PATCH, 2).repeat_interleave(toy.PATCH, 3)  # (4, F, 24, 24)
     Fr = frames.shape[1]

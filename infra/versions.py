@@ -6,7 +6,7 @@ The library versions this code was tested with, and one line at start-up when an
 The code reads internals of two libraries, which a release may move without notice:
 - diffusers: the HunyuanVideo 1.5 pipeline's text tokens come valid first, then padding (models/
   hunyuan15.py, models/attention.py trim and attend by it); its attention processor and dispatcher;
-- transformers: the VideoAlign port (reward.py) patches Qwen2-VL's vision rope (_vision_rope_445) and
+- transformers: the VideoAlign port (models/videoalign.py) patches Qwen2-VL's vision rope (_vision_rope_445) and
   maps its weight names; extras/metrics.py reads .pooler_output of CLIP's get_*_features (transformers 5).
 The bounds are requirements.txt's, one source: the floor where the code needs it, the ceiling the next
 release not yet tested. Outside them train.py still runs: rank 0 says so in one line, not an error.

@@ -8,7 +8,7 @@ import torch
 from extras import credit
 import reward
 import sde
-from models import toy
+from models import toy, videoalign
 
 
 def hot(shape, f, y, x):
@@ -50,7 +50,7 @@ def test_hot_videoalign_patch_lands_on_hand_computed_tokens():
     # patches, temporal pairs (0, 5), (11, 16)). Patch (t=1, row 5, col 7) is row 687 of the packed
     # rows: 576 per pair + block (2, 3) of 12 per row, 4 per block, (1, 1) inside it.
     video = torch.full((17, 3, 320, 320), 0.5, requires_grad=True)
-    rows, grid = reward.preprocess_video(video, 8)
+    rows, grid = videoalign.preprocess_video(video, 8)
     assert grid.tolist() == [2, 24, 24]
     rows[576 + (2 * 12 + 3) * 4 + 1 * 2 + 1].sum().backward()
     # its pixels are resized rows 70-83, cols 98-111 = original 66.7-80, 93.3-106.7, widened by the
@@ -134,13 +134,14 @@ def test_toy_reward_gradient_matches_finite_differences():
                'a yellow triangle moving right']
     clean = torch.stack([toy.render(p, i) for i, p in enumerate(prompts)])
     frames = (clean + 0.04 * torch.randn(clean.shape, generator=gen)).clamp(0.05, 0.95)  # off the manifold
-    scores, g = reward.score_and_grad(toy.reward, frames, prompts, toy.FPS)
-    assert torch.equal(reward.combine(scores), reward.combine(toy.reward(frames, prompts)))
+    w = reward.SETTING_B
+    scores, g = reward.score_and_grad(toy.reward, frames, prompts, toy.FPS, w)
+    assert torch.equal(reward.combine(scores, w), reward.combine(toy.reward(frames, prompts), w))
     assert g.dtype == torch.float32 and g.abs().sum() > 0
     x = frames.double().requires_grad_()
-    reward.combine(toy.reward(x, prompts)).sum().backward()
+    reward.combine(toy.reward(x, prompts), w).sum().backward()
     assert torch.allclose(g, x.grad.float(), rtol=1e-2, atol=1e-4)  # the float32 gradient, roughly
-    fn = lambda f: reward.combine(toy.reward(f, prompts))
+    fn = lambda f: reward.combine(toy.reward(f, prompts), w)
     for _ in range(3):
         fd, an = directional(fn, x.detach(), x.grad, gen, 1e-6)
         assert torch.allclose(fd, an, rtol=1e-4, atol=1e-7), (fd, an)
@@ -150,7 +151,7 @@ def test_toy_reward_gradient_matches_finite_differences():
 def tiny_va(tmp_path_factory):
     from tiny_videoalign import make_tiny_videoalign
     ckpt, qwen = make_tiny_videoalign(str(tmp_path_factory.mktemp('va')))
-    return reward.load_videoalign(ckpt, qwen, dtype=torch.float64)
+    return videoalign.load_videoalign(ckpt, qwen, dtype=torch.float64)
 
 
 def test_videoalign_gradient_matches_finite_differences(tiny_va, monkeypatch):
@@ -165,7 +166,7 @@ def test_videoalign_gradient_matches_finite_differences(tiny_va, monkeypatch):
     assert all(p.grad is None and not p.requires_grad for p in tiny_va.model.parameters())
     assert tiny_va.rm_head.weight.grad is None
     # rounding off (identity), the pipeline is smooth: autograd == central differences
-    monkeypatch.setattr(reward, '_round', lambda x: x)
+    monkeypatch.setattr(videoalign, '_round', lambda x: x)
     _, g = reward.score_and_grad(tiny_va, frames, prompts, 8, w)
     fn = lambda f: reward.combine(tiny_va(f, prompts, 8), w).double()
     for _ in range(2):

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from reward import combine, group_advantages
+from reward import SETTING_B, combine, group_advantages
 from test_train import ROOT, metrics, run, run_here
 
 # train.py with its reward and loss pieces wrapped to record, per rank, what the reward model returned
@@ -83,7 +83,7 @@ def test_grouping_matches_group_advantages_per_prompt_across_two_ranks(tmp_path)
     for log in logs:  # the rollout's reward call of each rank (the others are held-out evaluations)
         call, = [c for c in log['rewards'] if set(c['prompts']) <= train_prompts]
         prompts += call['prompts']
-        r += combine({k: torch.tensor(call[k]) for k in ('VQ', 'MQ', 'TA')}).tolist()
+        r += combine({k: torch.tensor(call[k]) for k in ('VQ', 'MQ', 'TA')}, SETTING_B).tolist()  # train.py's weights
     assert len(prompts) == 6 and len(set(prompts)) == 3
     expected_adv, expected_valid = [0.0] * 6, [0.0] * 6
     for p in set(prompts):  # each prompt's own clips form its group, wherever they ran

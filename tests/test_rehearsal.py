@@ -57,7 +57,7 @@ def test_padded_tokenizers_have_the_released_special_ids(tmp_path):
     assert n == 151657 and ids['<|vision_start|>'] == 151652 and ids['<|video_pad|>'] == 151656
     from transformers import AutoTokenizer
 
-    from reward import REWARD_TOKENS
+    from models.videoalign import REWARD_TOKENS
     tok = AutoTokenizer.from_pretrained(str(tmp_path / 'qwen2vl'))
     tok.add_tokens(list(REWARD_TOKENS), special_tokens=True)  # as load_videoalign does
     assert tok.convert_tokens_to_ids(list(REWARD_TOKENS)) == [151657, 151658, 151659]

@@ -1,4 +1,5 @@
-"""reward.py (VideoAlign) on a tiny random model saved in the released layout; offline, CPU, seconds.
+"""models/videoalign.py (VideoAlign) on a tiny random model saved in the released layout, and
+reward.py's combine and group advantages; offline, CPU, seconds.
 
 Run: python -m pytest tests/test_reward.py
 """
@@ -13,6 +14,7 @@ import torch
 from tiny_videoalign import make_tiny_videoalign
 
 import reward
+from models import videoalign
 
 FPS = 8  # test clips: 8 frames at 8 fps -> 4 sampled frames, 32x48 -> 280x392, grid (2, 20, 28)
 PROMPTS = ["a cat", "a dog runs across a wide green park at night", "x"]
@@ -25,7 +27,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scorer(tiny):
-    return reward.load_videoalign(*tiny, dtype=torch.float32)
+    return videoalign.load_videoalign(*tiny, dtype=torch.float32)
 
 
 def clips(b, seed=0):
@@ -41,9 +43,9 @@ def close(a, b, atol=1e-5):
 
 def test_template_is_verbatim():
     # sha256 of prompt_template.py DETAILED_PROMPT_WITH_SPECIAL_TOKEN at KwaiVGI/VideoAlign 219ab9d
-    assert hashlib.sha256(reward.TEMPLATE.encode()).hexdigest() == (
+    assert hashlib.sha256(videoalign.TEMPLATE.encode()).hexdigest() == (
         "fdb6309bac618dd0c8b1b589d3a0970a974f7856eecbb355a190b2dce54af700")
-    where = [reward.TEMPLATE.index(t) for t in ("<|VQ_reward|>", "<|MQ_reward|>", "{text_prompt}", "<|TA_reward|>")]
+    where = [videoalign.TEMPLATE.index(t) for t in ("<|VQ_reward|>", "<|MQ_reward|>", "{text_prompt}", "<|TA_reward|>")]
     assert where == sorted(where)  # VQ and MQ precede the prompt, TA follows it
 
 
@@ -51,14 +53,14 @@ def test_chat_layout_and_tokens_match_qwen_template(scorer):
     tok = scorer.tokenizer
     messages = [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "HI"}]}]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == reward.CHAT_HEAD + "<|video_pad|>" + reward.CHAT_TAIL.format("HI")
+    assert rendered == videoalign.CHAT_HEAD + "<|video_pad|>" + videoalign.CHAT_TAIL.format("HI")
     # the pieces tokenised separately equal the processor's whole string, pads expanded
     pixels, grid, ids, pos = scorer.prepare(clips(1)[0], PROMPTS[1], FPS)
     n = int(grid.prod()) // 4
-    instruction = reward.TEMPLATE.format(text_prompt=PROMPTS[1])
-    text = reward.CHAT_HEAD + "<|video_pad|>" * n + reward.CHAT_TAIL.format(instruction)
+    instruction = videoalign.TEMPLATE.format(text_prompt=PROMPTS[1])
+    text = videoalign.CHAT_HEAD + "<|video_pad|>" * n + videoalign.CHAT_TAIL.format(instruction)
     assert ids.tolist() == tok(text, add_special_tokens=False).input_ids
-    assert ids[pos].tolist() == tok.convert_tokens_to_ids(list(reward.REWARD_TOKENS))
+    assert ids[pos].tolist() == tok.convert_tokens_to_ids(list(videoalign.REWARD_TOKENS))
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -108,25 +110,25 @@ def test_missing_and_unexpected_keys_are_reported(tiny, tmp_path):
     del sd["base_model.model.visual.merger.ln_q.weight"]
     torch.save(sd, path)
     with pytest.raises(RuntimeError, match=r"1 missing keys \['visual.merger.ln_q.weight'\], 1 unexpected"):
-        reward.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
+        videoalign.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
 
 
 def test_missing_files_say_how_to_get_them(tiny, tmp_path):
     with pytest.raises(FileNotFoundError, match="hf download KwaiVGI/VideoReward"):
-        reward.load_videoalign(str(tmp_path / "none"), tiny[1])
+        videoalign.load_videoalign(str(tmp_path / "none"), tiny[1])
     with pytest.raises(FileNotFoundError, match="hf download Qwen/Qwen2-VL-2B-Instruct"):
-        reward.load_videoalign(tiny[0], str(tmp_path / "none"))
+        videoalign.load_videoalign(tiny[0], str(tmp_path / "none"))
     os.makedirs(tmp_path / "empty")
     shutil.copy(os.path.join(tiny[0], "model_config.json"), tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="model.pth not found.*KwaiVGI/VideoReward"):
-        reward.load_videoalign(str(tmp_path / "empty"), tiny[1])
+        videoalign.load_videoalign(str(tmp_path / "empty"), tiny[1])
 
 
 def test_newest_checkpoint_by_step_number(tmp_path):
     for step in ("2", "9", "10", "10-old"):  # 10 > 9 numerically, not as text; junk names ignored
         os.makedirs(tmp_path / f"checkpoint-{step}")
         (tmp_path / f"checkpoint-{step}" / "model.pth").touch()
-    assert reward.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10" / "model.pth")
+    assert videoalign.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10" / "model.pth")
 
 
 # ---- scoring ------------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ def test_batch_equals_one_at_a_time_and_normalisation(scorer):
     raw = scorer.forward([scorer.prepare(frames[0], PROMPTS[0], FPS)])[0]  # un-normalised (VQ, MQ, TA)
     norm = [(3.6757, 2.2476), (1.1646, 1.3811), (2.8105, 2.5121)]  # the released inference_config
     want = [(r - m) / s for r, (m, s) in zip(raw.tolist(), norm)]
-    assert [batch[k][0].item() for k in reward.DIMS] == pytest.approx(want, abs=1e-5)
+    assert [batch[k][0].item() for k in videoalign.DIMS] == pytest.approx(want, abs=1e-5)
 
 
 def test_prompt_changes_ta_only(scorer):
@@ -186,7 +188,8 @@ def test_failing_video_scores_nan_and_others_still_scored(scorer, monkeypatch):
     assert [str(w.message)[:26] for w in caught] == ["VideoAlign: batch failed (", "VideoAlign: video 1 failed"]
     for k in out:
         assert math.isnan(out[k][1]) and torch.allclose(out[k][[0, 2]], good[k][[0, 2]], atol=1e-5)
-    assert math.isnan(reward.combine(out)[1]) and not reward.combine(out)[[0, 2]].isnan().any()
+    r = reward.combine(out, reward.SETTING_B)
+    assert math.isnan(r[1]) and not r[[0, 2]].isnan().any()
 
     monkeypatch.setattr(scorer, "forward", forward)
     prepare = scorer.prepare
@@ -221,8 +224,7 @@ def test_combine_settings():
     s = {"VQ": torch.tensor([1.0, -2.0]), "MQ": torch.tensor([3.0, 0.5]), "TA": torch.tensor([-1.0, 4.0])}
     assert reward.SETTING_A == (1.0, 1.0, 1.0) and reward.SETTING_B == (0.5, 0.5, 1.0)
     assert torch.equal(reward.combine(s, reward.SETTING_A), torch.tensor([3.0, 2.5]))  # VQ + MQ + TA
-    assert torch.equal(reward.combine(s), torch.tensor([1.0, 3.25]))  # default: 0.5 VQ + 0.5 MQ + TA
-    assert torch.equal(reward.combine(s, reward.SETTING_B), reward.combine(s))
+    assert torch.equal(reward.combine(s, reward.SETTING_B), torch.tensor([1.0, 3.25]))  # 0.5 VQ + 0.5 MQ + TA
 
 
 def slow_advantages(rows, clip):
@@ -278,17 +280,17 @@ def test_group_advantages_rounding_noise_is_no_signal():
 def test_preprocess_81_frames_24fps_480x848_by_hand():
     # frames: 81 / 24 fps * 2 fps = 6.75, within [4, min(768, 81) floored to even = 80];
     #   round(6.75 / 2) * 2 = round(3.375) * 2 = 6 frames; linspace(0, 80, 6) = 0, 16, 32, 48, 64, 80
-    assert reward.sample_indices(81, 24).tolist() == [0, 16, 32, 48, 64, 80]
+    assert videoalign.sample_indices(81, 24).tolist() == [0, 16, 32, 48, 64, 80]
     # size: round(480 / 28) * 28 = 17 * 28 = 476, round(848 / 28) * 28 = 30 * 28 = 840;
     #   476 * 840 = 399840 > 200704, so beta = sqrt(480 * 848 / 200704) = sqrt(2.02808) = 1.42411;
     #   floor(480 / 1.42411 / 28) * 28 = floor(12.04) * 28 = 336, floor(848 / 1.42411 / 28) * 28 = 21 * 28 = 588
-    assert reward.smart_resize(480, 848) == (336, 588) and 336 * 588 == 197568 <= 200704
+    assert videoalign.smart_resize(480, 848) == (336, 588) and 336 * 588 == 197568 <= 200704
     # grid: (6 / 2, 336 / 14, 588 / 14) = (3, 24, 42) -> 3024 patches of 3*2*14*14 = 1176 values, 756 tokens
     level = torch.linspace(0, 1, 81).view(81, 1, 1, 1).expand(81, 3, 480, 848)  # frame k is flat k/80
-    pixels, grid = reward.preprocess_video(level, 24)
+    pixels, grid = videoalign.preprocess_video(level, 24)
     assert grid.tolist() == [3, 24, 42] and pixels.shape == (3024, 1176)
     # first row: channel 0 of frame 0 (196 values), then channel 0 of frame 16: temporal order kept
-    mean, std = reward.CLIP_MEAN[0], reward.CLIP_STD[0]
+    mean, std = videoalign.CLIP_MEAN[0], videoalign.CLIP_STD[0]
     want = [(round(k / 80 * 255) / 255 - mean) / std for k in (0, 16)]
     assert torch.allclose(pixels[0, :392], torch.tensor(want).repeat_interleave(196), atol=1e-5)
 
@@ -296,17 +298,17 @@ def test_preprocess_81_frames_24fps_480x848_by_hand():
 def test_smart_resize_small_and_extreme():
     # 32 x 48: 28 * 56 = 1568 < 100352, beta = sqrt(100352 / 1536) = 8.0829;
     #   ceil(32 * 8.0829 / 28) * 28 = ceil(9.24) * 28 = 280, ceil(48 * 8.0829 / 28) * 28 = ceil(13.86) * 28 = 392
-    assert reward.smart_resize(32, 48) == (280, 392)
+    assert videoalign.smart_resize(32, 48) == (280, 392)
     with pytest.raises(ValueError, match="aspect ratio"):
-        reward.smart_resize(2, 1000)
+        videoalign.smart_resize(2, 1000)
     # few frames: 8 at 8 fps -> 2 -> raised to 4; 3 frames -> at most 2; 1000 frames at 1 fps -> capped at 768
-    assert len(reward.sample_indices(8, 8)) == 4 and len(reward.sample_indices(3, 24)) == 2
-    assert len(reward.sample_indices(1000, 1.0)) == 768
+    assert len(videoalign.sample_indices(8, 8)) == 4 and len(videoalign.sample_indices(3, 24)) == 2
+    assert len(videoalign.sample_indices(1000, 1.0)) == 768
 
 
 def test_patchify_matches_slow_loop():
     x = torch.randn(4, 3, 56, 84, generator=torch.Generator().manual_seed(5))  # (T, C, H, W)
-    rows, grid = reward.patchify(x, patch=14, temporal=2, merge=2)
+    rows, grid = videoalign.patchify(x, patch=14, temporal=2, merge=2)
     assert grid.tolist() == [2, 4, 6]
     want = []
     for t in range(2):  # row order: t, h-block, w-block, h-in-block, w-in-block
@@ -321,7 +323,7 @@ def test_patchify_matches_slow_loop():
 
 
 def test_bf16_vision_rope_matches_transformers_445(tiny, scorer):
-    model = reward.load_videoalign(*tiny)  # the default dtype, bfloat16
+    model = videoalign.load_videoalign(*tiny)  # the default dtype, bfloat16
     rope = model.model.visual.rotary_pos_emb
     pos = torch.tensor([[0, 41], [255, 3], [17, 100]])  # (N, 2) h, w
     cos, _ = rope(torch.zeros(1), pos)
@@ -347,9 +349,9 @@ def test_clip_mean_std_are_transformers_constants():
     from transformers.utils.constants import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
     # exact: the processor normalises with these floats, a changed digit is a different model input
-    assert list(reward.CLIP_MEAN) == list(OPENAI_CLIP_MEAN) and list(reward.CLIP_STD) == list(OPENAI_CLIP_STD)
-    assert list(reward.CLIP_MEAN) == list(Qwen2VLImageProcessorPil.image_mean)  # Qwen2-VL's own defaults
-    assert list(reward.CLIP_STD) == list(Qwen2VLImageProcessorPil.image_std)
+    assert list(videoalign.CLIP_MEAN) == list(OPENAI_CLIP_MEAN) and list(videoalign.CLIP_STD) == list(OPENAI_CLIP_STD)
+    assert list(videoalign.CLIP_MEAN) == list(Qwen2VLImageProcessorPil.image_mean)  # Qwen2-VL's own defaults
+    assert list(videoalign.CLIP_STD) == list(Qwen2VLImageProcessorPil.image_std)
 
 
 def _hf_smart_resize():
@@ -369,23 +371,23 @@ def test_smart_resize_matches_transformers_over_a_grid():
     hf = _hf_smart_resize()
     # (min, max) pixels: the reward's video bounds, and transformers' image defaults (sides >= 28:
     # below, transformers' first rounding can give 0 where qwen-vl-utils' and reward's clamp to 28)
-    bounds = [(reward.MIN_PIXELS, reward.MAX_PIXELS, 15), (56 * 56, 28 * 28 * 1280, 28)]
+    bounds = [(videoalign.MIN_PIXELS, videoalign.MAX_PIXELS, 15), (56 * 56, 28 * 28 * 1280, 28)]
     over_cap_round_differs = 0  # over-cap cases where round() instead of floor() gives another size
     for lo, hi, smallest in bounds:
         for h in SIDES:
             for w in SIDES:
-                if min(h, w) < smallest or max(h, w) / min(h, w) > reward.MAX_RATIO:
+                if min(h, w) < smallest or max(h, w) / min(h, w) > videoalign.MAX_RATIO:
                     continue
-                assert reward.smart_resize(h, w, 28, lo, hi) == hf(h, w, 28, lo, hi), (h, w, lo, hi)
+                assert videoalign.smart_resize(h, w, 28, lo, hi) == hf(h, w, 28, lo, hi), (h, w, lo, hi)
                 if round(h / 28) * round(w / 28) * 28 * 28 > hi:
                     beta = math.sqrt(h * w / hi)
                     over_cap_round_differs += any(round(s / beta / 28) != math.floor(s / beta / 28) for s in (h, w))
     assert over_cap_round_differs > 1000  # the grid can tell floor from round above the pixel cap
     for h, w in [(2, 1000), (1000, 3)]:  # aspect ratio > 200: both refuse
         with pytest.raises(ValueError):
-            hf(h, w, 28, reward.MIN_PIXELS, reward.MAX_PIXELS)
+            hf(h, w, 28, videoalign.MIN_PIXELS, videoalign.MAX_PIXELS)
         with pytest.raises(ValueError):
-            reward.smart_resize(h, w)
+            videoalign.smart_resize(h, w)
 
 
 def qwen_frame_indices(total_frames, video_fps):
@@ -412,24 +414,24 @@ def test_sample_indices_match_qwen_vl_utils_rule():
     for total in FRAME_COUNTS:
         for fps in VIDEO_FPS:
             want = qwen_frame_indices(total, fps)
-            got = reward.sample_indices(total, fps)
+            got = videoalign.sample_indices(total, fps)
             assert got.dtype == torch.long and got.tolist() == want, (total, fps)
             truncation_differs += torch.linspace(0, total - 1, len(want)).long().tolist() != want
     assert truncation_differs > 100
     # half-way frame counts: 81 frames at 18 fps -> 9 -> round(4.5) = 4 -> 8 frames (half to even), 55 at 10 -> 12
-    assert len(reward.sample_indices(81, 18)) == 8 and len(reward.sample_indices(55, 10)) == 12
+    assert len(videoalign.sample_indices(81, 18)) == 8 and len(videoalign.sample_indices(55, 10)) == 12
     with pytest.raises(ValueError):  # one frame: the rule has nothing to sample
         qwen_frame_indices(1, 24)
     with pytest.raises(ValueError):
-        reward.sample_indices(1, 24)
+        videoalign.sample_indices(1, 24)
 
 
 def test_norm_is_the_released_inference_config():
     # inference_config of KwaiVGI/VideoReward's model_config.json, typed here from the released file
     released = {"VQ_mean": 3.6757, "VQ_std": 2.2476, "MQ_mean": 1.1646, "MQ_std": 1.3811,
                 "TA_mean": 2.8105, "TA_std": 2.5121}
-    assert reward.NORM == {k: (released[f"{k}_mean"], released[f"{k}_std"]) for k in ("VQ", "MQ", "TA")}
-    assert reward.DIMS == ("VQ", "MQ", "TA")
+    assert videoalign.NORM == {k: (released[f"{k}_mean"], released[f"{k}_std"]) for k in ("VQ", "MQ", "TA")}
+    assert videoalign.DIMS == reward.DIMS == ("VQ", "MQ", "TA")  # the head's rows are the interface's keys
 
 
 def test_missing_inference_config_falls_back_to_the_released_norm(tiny, scorer, tmp_path):
@@ -437,14 +439,14 @@ def test_missing_inference_config_falls_back_to_the_released_norm(tiny, scorer, 
     cfg = json.load(open(ckpt_dir / "model_config.json"))
     assert cfg.pop("inference_config")["VQ_mean"] == 3.6757  # the fixture's explicit config
     json.dump(cfg, open(ckpt_dir / "model_config.json", "w"))
-    fallback = reward.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
+    fallback = videoalign.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
     released = {"VQ": (3.6757, 2.2476), "MQ": (1.1646, 1.3811), "TA": (2.8105, 2.5121)}
     assert fallback.norm == scorer.norm == released
     frames = clips(2, seed=7)
     assert close(fallback(frames, PROMPTS[:2], FPS), scorer(frames, PROMPTS[:2], FPS), atol=1e-6)
     # and an explicit config is read, not ignored: another normalisation, other scores
-    cfg["inference_config"] = {f"{k}_{s}": v for k in reward.DIMS for s, v in (("mean", 0.0), ("std", 1.0))}
+    cfg["inference_config"] = {f"{k}_{s}": v for k in videoalign.DIMS for s, v in (("mean", 0.0), ("std", 1.0))}
     json.dump(cfg, open(ckpt_dir / "model_config.json", "w"))
-    unit = reward.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
+    unit = videoalign.load_videoalign(str(ckpt_dir), tiny[1], dtype=torch.float32)
     raw = unit.forward([unit.prepare(frames[0], PROMPTS[0], FPS)])[0]  # (3,) un-normalised
-    assert [unit(frames[:1], PROMPTS[:1], FPS)[k].item() for k in reward.DIMS] == pytest.approx(raw.tolist(), abs=1e-5)
+    assert [unit(frames[:1], PROMPTS[:1], FPS)[k].item() for k in videoalign.DIMS] == pytest.approx(raw.tolist(), abs=1e-5)

@@ -462,10 +462,9 @@ def test_download_command_in_messages_exists():
     assert hf, 'no hf command next to ' + sys.executable
     p = subprocess.run([hf, 'download', '--help'], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and '--local-dir' in p.stdout
-    import reward
-    from models import hunyuan15
+    from models import hunyuan15, videoalign
     assert 'hf download' in hunyuan15.missing('x', 'y', OSError('z')).code
-    assert reward.GET_CKPT.startswith('hf download') and reward.GET_QWEN.startswith('hf download')
+    assert videoalign.GET_CKPT.startswith('hf download') and videoalign.GET_QWEN.startswith('hf download')
 
 
 def test_released_config_is_valid(tmp_path):

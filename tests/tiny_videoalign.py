@@ -9,7 +9,7 @@ patch 14, merge 2, temporal patch 2) saved in the layouts load_videoalign reads:
   key names (base_model.model.model.layers.*, ...base_layer.weight, lora_A/lora_B.default.weight,
   visual.*, lm_head, rm_head), in bf16 like the released file. LoRA B is random and nonzero, so
   merging matters. Deterministic (seeded); the weights are rescaled so activations are O(1).
-Imports reward (its TEMPLATE trains the BPE), so the repository root must be importable, as
+Imports models/videoalign.py (its TEMPLATE trains the BPE), so the repository root must be importable, as
 pytest.ini's pythonpath makes it.
 """
 import json
@@ -62,7 +62,7 @@ def _tokenizer(qwen_dir, real_ids=False):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from reward import TEMPLATE  # training text only: any text works, this one keeps sequences short
+    from models.videoalign import TEMPLATE  # training text only: any text works, this one keeps sequences short
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
