@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 
-FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy'}  # _class_name -> file
+FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy', 'WanCausalPipeline': 'wan_causal', 'ToyWorldAR': 'toy_ar'}  # _class_name -> file
 DEFAULT = 'hunyuan15'  # the family a directory that is not one is most likely meant to be
 
 INTERFACE = {  # item: what it is
@@ -37,6 +37,9 @@ OPTIONAL = {  # a world with an exact reward of its own (the toy) provides rewar
                 'without it every sample has cfg',
     'reward': "(frames, prompts, fps) -> {'VQ', 'MQ', 'TA', ...: (B,)}, the reward interface of reward.py",
     'manifold_distance': '(frames) -> (B,) distance of each clip to the data manifold',
+    'generate': '(transformer, noise, text, gens) -> latents (B, C, F, h, w): a family that samples by itself '
+                '(streaming: block by block from a KV cache, models/streaming.py); sample.py and the held-out '
+                'evaluation call it in place of their sampler',
 }
 
 

@@ -1,0 +1,270 @@
+"""
+Block-causal generation from a rolling KV cache, for any diffusers WanTransformer3DModel: the
+self-forcing line of streaming video models (Self-Forcing, CausVid, LongLive, MemFlow, Reward Forcing)
+run on diffusers' own modules. Used by models/wan_causal.py (Wan 2.1 1.3B, the released layout) and
+models/toy_ar.py (the toy world, scaled down). docs/streaming.md explains it; in four lines:
+
+    the clip is cut into blocks of `block` latent frames, generated one after another;
+    a block's self-attention sees the `sink` first frames, the frames of the last `window - sink`
+      (its own block included) and nothing later: cached keys/values, RoPE at absolute frame positions;
+    a block is denoised in few steps (x0 = x_t - sigma v, then re-noised to the next sigma), and its
+      clean x0 is written to the cache by one more forward at timestep 0; the text keys are cached once.
+
+Only the attention processors are new (StreamSelf, StreamCross): patch embedding, timestep and text
+embedding, norms, feed-forward and output are diffusers' WanTransformer3DModel.forward itself, called once
+per block and step (so FSDP2 and LoRA wrap it as they wrap the bidirectional Wan). forward_masked runs a
+whole sequence of frames at once under a frame-level mask instead of the cache (teacher-forced training:
+clean frames then noisy ones, models/toy_ar.py).
+
+Tested by: python -m pytest tests/test_wan_causal.py (generation from the cache equals one masked full
+forward of diffusers' stock model per block and step, inside the window and past it)
+"""
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+# the released layout (LongLive, MemFlow, Self-Forcing on Wan 2.1 1.3B; SPEC section 12)
+LAYOUT = dict(block=3,      # latent frames generated together
+              sink=3,       # first frames of the video, always attended (the attention sink)
+              window=12,    # frames a block attends to: the sink, recent frames, its own block
+              timesteps=(1000, 750, 500, 250),  # the few-step sampler's steps, before the shift
+              shift=5.0)    # timestep shift: sigma = shift s / (1 + (shift - 1) s), s = t / 1000
+
+
+def sigmas(layout):
+    """The sampler's sigmas (warped timesteps / 1000): (1000, 750, 500, 250) at shift 5 -> 1, 0.9375, 0.8333, 0.625."""
+    s = torch.tensor(layout['timesteps'], dtype=torch.float64) / 1000
+    return (layout['shift'] * s / (1 + (layout['shift'] - 1) * s)).tolist()
+
+
+def visible_frames(cached, start, end, layout):
+    """Absolute frames (sorted) of `cached` that a block of frames [start, end) attends to besides itself:
+    the sink and the last window - sink frames up to the block's end."""
+    lo = end - (layout['window'] - layout['sink'])
+    return [f for f in cached if f < start and (f < layout['sink'] or f >= lo)]
+
+
+class KVCache:
+    """Per layer the self-attention keys and values of the finished frames, (B, n, T, H, D) with their
+    absolute frame positions, and the text's cross-attention keys and values (computed once). Tensors
+    are replaced, never written in place, so save() is a list of references and costs nothing.
+    keep: frames held (None: the fewest the window needs, sink + window - sink - block); a router
+    (KVPO) keeps more and sets `route(cache, start, end) -> frames` to choose what a block attends to."""
+
+    def __init__(self, layout, keep=None):
+        self.layout, self.route = layout, None
+        self.keep = keep or layout['window'] - layout['block']
+        self.k, self.v, self.pos, self.text = {}, {}, {}, {}  # by layer
+
+    @property
+    def frames(self):
+        return list(self.pos.get(0, []))
+
+    @property
+    def end(self):
+        """The frame after the newest cached one: where generation goes on."""
+        return self.pos[0][-1] + 1 if self.pos.get(0) else 0
+
+    def select(self, start, end):
+        if self.route is not None:
+            return self.route(self, start, end)
+        return visible_frames(self.frames, start, end, self.layout)
+
+    def read(self, layer, frames):
+        """Keys and values (B, len(frames) * T, H, D) of frames, in their order."""
+        if not frames:
+            return None, None
+        idx = torch.tensor([self.pos[layer].index(f) for f in frames], device=self.k[layer].device)
+        return self.k[layer][:, idx].flatten(1, 2), self.v[layer][:, idx].flatten(1, 2)
+
+    def write(self, layer, frames, k, v):
+        """Append frames' keys and values k, v (B, len(frames) * T, H, D); drop all but the sink and the
+        newest keep - sink frames."""
+        k, v = (t.unflatten(1, (len(frames), -1)) for t in (k, v))  # (B, f, T, H, D)
+        if layer in self.k:
+            k, v = torch.cat([self.k[layer], k], 1), torch.cat([self.v[layer], v], 1)
+        pos = self.pos.get(layer, []) + list(frames)
+        sink = sum(p < self.layout['sink'] for p in pos)
+        idx = list(range(sink)) + list(range(max(sink, len(pos) - (self.keep - sink)), len(pos)))
+        if len(idx) < len(pos):
+            k, v, pos = k[:, idx], v[:, idx], [pos[i] for i in idx]
+        self.k[layer], self.v[layer], self.pos[layer] = k, v, pos
+
+    def save(self):
+        return {name: dict(getattr(self, name)) for name in ('k', 'v', 'pos', 'text')}
+
+    def restore(self, state):
+        for name, d in state.items():
+            setattr(self, name, dict(d))
+
+    def read_frames(self, frames):
+        """{layer: (k, v) (B, len(frames), T, H, D)}: the chosen frames of every layer."""
+        idx = {l: [self.pos[l].index(f) for f in frames] for l in self.k}
+        return {l: (self.k[l][:, i], self.v[l][:, i]) for l, i in idx.items()}
+
+    def replace_frames(self, frames, kv):
+        """Put kv = {layer: (k, v) (B, len(frames), T, H, D)} (read_frames' form) in place of those frames."""
+        for l, (k, v) in kv.items():
+            i = torch.tensor([self.pos[l].index(f) for f in frames], device=k.device)
+            self.k[l], self.v[l] = self.k[l].index_copy(1, i, k), self.v[l].index_copy(1, i, v)
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values()) + \
+            sum(t.numel() * t.element_size() for kv in self.text.values() for t in kv)
+
+
+def rope_at(rope, frames, h, w):
+    """diffusers' WanRotaryPosEmbed tables (cos, sin) (1, len(frames) h w, 1, D) for tokens of the given
+    absolute frame positions (frame-major, then rows, columns): its forward for frames 0..F-1, generalised."""
+    split = [rope.t_dim, rope.h_dim, rope.w_dim]
+    f = torch.as_tensor(list(frames), device=rope.freqs_cos.device)
+    out = []
+    for table in (rope.freqs_cos, rope.freqs_sin):
+        t, y, x = table.split(split, dim=1)
+        n = len(f)
+        out.append(torch.cat([t[f].view(n, 1, 1, -1).expand(n, h, w, -1), y[:h].view(1, h, 1, -1).expand(n, h, w, -1),
+                              x[:w].view(1, 1, w, -1).expand(n, h, w, -1)], -1).reshape(1, n * h * w, 1, -1))
+    return out
+
+
+def _rotate(x, cos, sin):
+    """RoPE on x (B, S, H, D) as WanAttnProcessor applies it (interleaved pairs)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2).type_as(x)
+
+
+class Context:
+    """What the processors read during one transformer call: the cache, the block's frames and the cached
+    frames it sees, or (cache None) the mask of a whole masked sequence; the rope tables of its tokens."""
+    cache, frames, visible, write, rope, mask = None, (), (), False, None, None
+
+
+class StreamSelf:
+    """Self-attention of layer `layer`: the block's queries against the cached frames it sees and its
+    own keys (streaming), or a masked full sequence (ctx.cache None). diffusers' projections and norms."""
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, layer, ctx, backend=None):
+        self.layer, self.ctx, self._attention_backend = layer, ctx, backend
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        ctx = self.ctx
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, S, H*D)
+        q, k = attn.norm_q(q), attn.norm_k(k)  # RMS norm across heads, as WanAttnProcessor
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # (B, S, H, D)
+        cos, sin = ctx.rope  # the tokens' absolute positions: diffusers' rotary_emb counts from 0
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys, values, mask = k, v, ctx.mask
+        if ctx.cache is not None:
+            ck, cv = ctx.cache.read(self.layer, ctx.visible)
+            if ck is not None:
+                keys, values = torch.cat([ck.to(k.dtype), k], 1), torch.cat([cv.to(v.dtype), v], 1)
+            if ctx.write:  # after the read: the block attends to its own keys once
+                ctx.cache.write(self.layer, ctx.frames, k, v)
+        out = dispatch_attention_fn(q, keys, values, attn_mask=mask, backend=self._attention_backend)
+        out = out.flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class StreamCross:
+    """Cross-attention to the text, its keys and values computed once per cache (per prompt batch)."""
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, layer, ctx, backend=None):
+        self.layer, self.ctx, self._attention_backend = layer, ctx, backend
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        cache = self.ctx.cache
+        if cache is not None and self.layer in cache.text:
+            k, v = cache.text[self.layer]
+        else:
+            k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
+            v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            if cache is not None:
+                cache.text[self.layer] = (k, v)
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        out = dispatch_attention_fn(q, k.to(q.dtype), v.to(q.dtype), backend=self._attention_backend)
+        out = out.flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def install(net, layout):
+    """Make diffusers WanTransformer3DModel `net` block-causal: its attention processors replaced (the
+    dispatcher backend kept), the layout stored as net.layout. Returns net."""
+    net.layout, net.stream_ctx = {**layout, 'timesteps': tuple(layout['timesteps'])}, Context()  # JSON: a list
+    for i, b in enumerate(net.blocks):
+        b.attn1.processor = StreamSelf(i, net.stream_ctx, b.attn1.processor._attention_backend)
+        b.attn2.processor = StreamCross(i, net.stream_ctx, b.attn2.processor._attention_backend)
+    return net
+
+
+def _call(net, x, t, context):
+    """diffusers' forward on x (B, C, f, h, w) at timesteps t ((B,), or (B, tokens)), text context."""
+    return net(hidden_states=x, timestep=t, encoder_hidden_states=context, return_dict=False)[0]
+
+
+def forward_block(net, x, s, context, cache, start, write=False):
+    """The velocity (B, C, f, h, w) of the block x of frames [start, start + f) at sigmas s (B,), from the
+    cache; write: also append its keys and values (the timestep-0 pass of a finished block)."""
+    ctx, (_, ph, pw) = net.stream_ctx, net.config.patch_size
+    ctx.cache, ctx.frames, ctx.write, ctx.mask = cache, list(range(start, start + x.shape[2])), write, None
+    ctx.visible = cache.select(start, start + x.shape[2])  # once, before any layer writes (and evicts)
+    ctx.rope = rope_at(net.rope, ctx.frames, x.shape[3] // ph, x.shape[4] // pw)
+    try:
+        return _call(net, x, 1000 * s, context)
+    finally:
+        ctx.cache, ctx.rope = None, None
+
+
+def forward_masked(net, x, s, context, positions, mask):
+    """The velocity of a whole sequence x (B, C, N, h, w) of frames at absolute `positions` (N,), each frame
+    at its own sigma s (B, N), attention allowed by the frame-level mask (N, N) bool (query, key)."""
+    ctx, (_, ph, pw) = net.stream_ctx, net.config.patch_size
+    T = x.shape[3] // ph * (x.shape[4] // pw)  # tokens a frame
+    ctx.cache, ctx.rope = None, rope_at(net.rope, positions, x.shape[3] // ph, x.shape[4] // pw)
+    ctx.mask = mask.repeat_interleave(T, 0).repeat_interleave(T, 1)[None, None].to(x.device)  # (1, 1, S, S)
+    try:
+        return _call(net, x, 1000 * s.repeat_interleave(T, 1), context)
+    finally:
+        ctx.rope, ctx.mask = None, None
+
+
+def teacher_mask(n, layout):
+    """The frame mask of [n clean frames, the same n frames noisy] (2n, 2n): every frame sees the clean
+    frames of earlier blocks inside its window and its own block's frames of its own kind: what the
+    cache gives a block at generation (clean frames at timestep 0, its own noisy block)."""
+    pos = torch.arange(n).repeat(2)
+    kind = torch.arange(2 * n) // n  # 0 clean, 1 noisy
+    blk = pos // layout['block']
+    end = (blk + 1) * layout['block']
+    inside = (pos[None] < layout['sink']) | (pos[None] >= end[:, None] - (layout['window'] - layout['sink']))
+    earlier = (kind[None] == 0) & (blk[None] < blk[:, None]) & inside
+    return earlier | ((kind[None] == kind[:, None]) & (blk[None] == blk[:, None]))
+
+
+@torch.no_grad()
+def generate(net, noise, context, gens=None, cache=None, on_block=None):
+    """Latents (B, C, F, h, w) from initial noise (B, C, F, h, w), block by block. gens: one generator
+    a sample for the re-noising draws (per block, per step, in that order); cache: a KVCache to continue
+    (None: a fresh one; else noise's frames follow its newest frame); on_block(start, x0, cache): called
+    after each finished block (KVPO's fork)."""
+    layout, sig = net.layout, sigmas(net.layout)
+    cache = KVCache(layout) if cache is None else cache
+    B, F = noise.shape[0], noise.shape[2]
+    out, first = [], cache.end  # absolute frame of noise's first frame
+    for i in range(0, F, layout['block']):
+        start, x = first + i, noise[:, :, i:i + layout['block']]  # (B, C, f, h, w)
+        for k, s in enumerate(sig):
+            v = forward_block(net, x, torch.full((B,), s, device=x.device), context, cache, start).float()
+            x0 = x.float() - s * v  # the step's prediction of the clean block
+            if k + 1 < len(sig):  # re-noise to the next step's sigma
+                z = torch.randn_like(x0) if gens is None else \
+                    torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0.device)
+                x = (1 - sig[k + 1]) * x0 + sig[k + 1] * z
+        forward_block(net, x0, torch.zeros(B, device=x0.device), context, cache, start, write=True)  # context_noise 0
+        out.append(x0)
+        if on_block is not None:
+            on_block(start, x0, cache)
+    return torch.cat(out, 2)
