@@ -17,7 +17,10 @@ A save is a collective: every rank writes only its own shards (DCP stages one te
 reports their names, sizes and crc32; rank 0 verifies that it sees all of them, then writes
 loop.json, renames the temporary directory into place and updates `latest` (atomic rename): a crash
 at any moment leaves the last published checkpoint intact, and a shard rank 0 cannot see (a node
-writing to a disk of its own) stops the run instead of publishing a checkpoint without it. A load builds
+writing to a disk of its own) stops the run instead of publishing a checkpoint without it. No rank
+waits in a collective on another's slow I/O: each rank writes and re-reads (crc32) only its own files,
+all at once; rank 0's deletes (the rotation, a dead save's leftovers: 133 GB a checkpoint at 8.3B) are a
+rename, then a background thread, after the last barrier. A load builds
 and shards the policy first and reads into it, each rank only its slices, so a checkpoint saved on
 N ranks resumes on M (DCP reshards). Seeds need no state: every random draw of train.py is a
 function of (seed, iteration, clip), so the iteration number is the whole RNG state.
@@ -39,8 +42,10 @@ import contextlib
 import json
 import os
 import pickle
+import secrets
 import shutil
 import sys
+import threading
 import zlib
 
 import warnings
@@ -60,6 +65,7 @@ warnings.filterwarnings('ignore', message='torch.distributed is disabled, unavai
 LOOP = 'loop.json'              # the small state beside the shards
 PREFIX = 'ckpt_'                # checkpoint directories are PREFIX + iteration, zero-padded
 PINNED = 'pinned'               # a file in a checkpoint that no rotation removes (pin); it says why
+DISCARDED = '.deleting'         # suffix of a directory on its way out: renamed, then deleted in the background
 
 
 def _master():
@@ -119,9 +125,11 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
     tmp = os.path.join(out_dir, name + '.tmp')
     if _master():
         os.makedirs(out_dir, exist_ok=True)
-        for d in os.listdir(out_dir):  # saves that died before publishing (a rank died or hung mid-save)
-            if d.startswith(PREFIX) and d.endswith('.tmp'):
-                shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+        for d in os.listdir(out_dir):  # saves that died before publishing (a rank died or hung mid-save),
+            if d.startswith(PREFIX) and d.endswith('.tmp'):  # deletes a killed process left unfinished
+                _discard(os.path.join(out_dir, d))
+            elif d.startswith(PREFIX) and d.endswith(DISCARDED):
+                _discard(os.path.join(out_dir, d), rename=False)
         os.makedirs(tmp)
     _barrier()
     opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
@@ -153,21 +161,47 @@ def save(path, model, optimizers, anchor_state, loop, keep=2):
     if _master():
         with open(os.path.join(tmp, LOOP), 'w') as f:
             json.dump(dict(loop, param_groups=groups, files=files, optimizer_state=not fresh), f, indent=1)
-        shutil.rmtree(path, ignore_errors=True)  # a damaged checkpoint of the same iteration
+        if os.path.exists(path):
+            _discard(path)  # a damaged checkpoint of the same iteration
         os.replace(tmp, path)
         with open(os.path.join(out_dir, 'latest.tmp'), 'w') as f:
             f.write(name)
         os.replace(os.path.join(out_dir, 'latest.tmp'), os.path.join(out_dir, 'latest'))
+    _barrier()  # every rank returns once the checkpoint is published
+    if _master():
         # rotation by iteration among those up to this one, which stays (so `latest` names one
         # that exists); a later one (damaged: the run resumed before it) stays until its
-        # iteration is saved again
+        # iteration is saved again. After the barrier, and deleted in the background: no rank waits
+        # in a collective while rank 0 deletes 133 GB at 8.3B
         older = [d for d in found(out_dir) if _iteration(d) < _iteration(name)
                  and not os.path.exists(os.path.join(out_dir, d, PINNED))]
         for d in older[:max(0, len(older) - (keep - 1))]:
-            shutil.rmtree(os.path.join(out_dir, d))
-    _barrier()  # every rank returns once the checkpoint is published
+            _discard(os.path.join(out_dir, d))
     _published.add(os.path.join(out_dir, name))
     return path
+
+
+_deletes = {}  # directory -> the thread deleting it, of this process (which waits for them at its exit)
+
+
+def _discard(path, rename=True):
+    # rank 0: the directory out of every listing at once (a rename, atomic), then deleted by a thread of
+    # its own; one that a killed process left half-deleted is found by its suffix at the next save
+    for done in [d for d, t in _deletes.items() if not t.is_alive()]:
+        del _deletes[done]
+    if path in _deletes:
+        return  # this process is deleting it already
+    gone = f'{path}.{secrets.token_hex(4)}{DISCARDED}' if rename else path
+    if rename:
+        os.replace(path, gone)
+    _deletes[gone] = threading.Thread(target=shutil.rmtree, args=(gone,), kwargs=dict(ignore_errors=True))
+    _deletes[gone].start()
+
+
+def finish_deletes():
+    """Wait for this process's background deletes (tests; a process waits for them at its exit anyway)."""
+    while _deletes:
+        _deletes.popitem()[1].join()
 
 
 class _Writer(dcp.FileSystemWriter):

@@ -56,6 +56,8 @@ TIMEOUT = None   # init()'s collective timeout, given to the groups of every mes
 def init(device, timeout_minutes):
     """(ddp, rank, world, device): the process group (NCCL on GPUs, gloo on CPUs) under torchrun, this
     rank's GPU; every collective waits at most timeout_minutes, then this process stops with one line."""
+    if device == 'cuda':  # before CUDA's allocator starts: it reads its settings once
+        expandable_segments()
     if device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('no CUDA device: run with --device=cpu (the toy world: python train.py config/toy.py)')
     if 'RANK' not in os.environ:
@@ -70,6 +72,16 @@ def init(device, timeout_minutes):
         torch.cuda.set_device(device)
     _one_line_on_collective_failure(dist.get_rank(), timeout_minutes)
     return True, dist.get_rank(), dist.get_world_size(), device
+
+
+def expandable_segments():
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set an allocator config (this
+    variable or torch's newer PYTORCH_ALLOC_CONF): the caching allocator grows a segment instead of
+    keeping blocks of every size it met, so memory freed by one phase (a rollout's batch of 8 forwards)
+    fits the next (the update's backward) instead of staying reserved in blocks of the wrong size.
+    Only a process that has not started CUDA yet reads it; one that has keeps its allocator as it is."""
+    if 'PYTORCH_CUDA_ALLOC_CONF' not in os.environ and 'PYTORCH_ALLOC_CONF' not in os.environ:
+        os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'
 
 
 def _store(timeout):
@@ -214,15 +226,20 @@ def _sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+_SOLO_CALLS = {}  # name -> solo() calls of this process so far
+
+
 def solo(fn, name, timeout_minutes):
     """Rank 0 alone runs fn() (minutes to an hour: the prompt cache, the export) while the other ranks
     wait on the c10d store's key `name`, not in a collective (whose dist_timeout is short), for at
     most timeout_minutes. A SystemExit of rank 0's stops every rank with its line. Returns fn()'s
-    result on rank 0, None elsewhere."""
+    result on rank 0, None elsewhere. Every rank calls it alike (a name's n-th call waits on its own key)."""
     if not dist.is_initialized():
         return fn()
     store = dist.distributed_c10d._get_default_store()  # per torchrun attempt: a restart starts afresh
-    key = f'solo/{name}'
+    _SOLO_CALLS[name] = _SOLO_CALLS.get(name, 0) + 1
+    n = _SOLO_CALLS[name]  # a key once set stays: a second call of a name must not find the first's
+    key = f'solo/{name}' if n == 1 else f'solo/{name}/{n}'
     if dist.get_rank() == 0:
         try:
             out = fn()
@@ -273,9 +290,20 @@ def mean(x, device):
     return t.item() / dist.get_world_size()
 
 
-def peak_memory_gb(device):
-    """Every rank's peak memory in GiB, (world,) in rank order: the CUDA allocator's peak, or on a
-    CPU the process's peak resident set."""
-    peak = torch.cuda.max_memory_allocated() if torch.device(device).type == 'cuda' else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # bytes
-    return gather(torch.tensor([float(peak)], device=device)) / 2 ** 30
+def peak_memory_gb(device, kind='allocated'):
+    """Every rank's peak memory in GiB since the last reset_peak_memory(), (world,) in rank order: on a GPU
+    the CUDA allocator's peak of `kind`, 'allocated' (what tensors hold) or 'reserved' (what the allocator
+    holds from the driver: allocated plus cached and fragmented blocks; an out-of-memory error comes
+    when this reaches the GPU's size); on a CPU the process's peak resident set (either kind, since start)."""
+    if torch.device(device).type == 'cuda':
+        peak = torch.cuda.max_memory_reserved() if kind == 'reserved' else torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # bytes
+    t = torch.tensor([float(peak)])
+    return (gather(t.to(device)).cpu() if dist.is_initialized() else t) / 2 ** 30
+
+
+def reset_peak_memory(device):
+    """Start both peaks of peak_memory_gb() again from what is allocated now (GPU; a CPU's cannot)."""
+    if torch.device(device).type == 'cuda':
+        torch.cuda.reset_peak_memory_stats()

@@ -62,8 +62,10 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
     master = not fsdp or dist.get_rank() == 0
     fam = family(path)
     read = lambda meta: load_transformer(path, meta=meta, attention=attention, backend=backend)  # noqa: E731
-    # under FSDP rank 0 reads the full model while the others wait on the store; then they build on meta
-    net = read(False) if not fsdp else parallel.solo(lambda: read(False), 'load_policy', solo_timeout) or read(True)
+    # under FSDP rank 0 reads the full model while the others wait on the store (None), then build on meta
+    net = parallel.solo(lambda: read(False), 'load_policy', solo_timeout) if fsdp else read(False)
+    if net is None:
+        net = read(True)  # the same modules, no weights: rank 0's arrive by broadcast below
     if lora_rank > 0:  # freeze the base, train only the adapters (diffusers' peft integration)
         from peft import LoraConfig
         net.requires_grad_(False)

@@ -296,7 +296,7 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
     for o in opts:
         o.step()
     path = str(tmp_path / 'ckpt_000001')
-    checkpoint.save(path, policy, opts, Anchor(policy).state_dict(), dict(iter_num=1))
+    checkpoint.save(path, policy, opts, Anchor(policy, 'dual', every=10).state_dict(), dict(iter_num=1))
     w = checkpoint.read_tensors(path)
     assert w and all(torch.equal(w[n], p.detach()) for n, p in policy.named_parameters() if n in w)
     assert checkpoint.read_tensors(path, 'optim')
@@ -323,7 +323,7 @@ def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
         p.grad = torch.randn_like(p)
     opts[0].step()
     out = str(tmp_path / 'out')
-    ckpt = checkpoint.save(os.path.join(out, 'ckpt_000001'), policy, opts, Anchor(policy).state_dict(),
+    ckpt = checkpoint.save(os.path.join(out, 'ckpt_000001'), policy, opts, Anchor(policy, 'dual', every=10).state_dict(),
                            dict(iter_num=1, config=dict(model=base, lora_rank=0)))
     marker = str(tmp_path / 'ran')
     payloads = {'torch.save': _call('torch', 'save', {}, marker),
@@ -345,14 +345,14 @@ def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
             with pytest.raises(SystemExit, match='has no intact checkpoint'):
                 find()
         refused = f'{name} is not allowed in a DCP .metadata file'
-        for read in (lambda: checkpoint.load(ckpt, policy, opts, Anchor(policy)),
+        for read in (lambda: checkpoint.load(ckpt, policy, opts, Anchor(policy, 'dual', every=10)),
                      lambda: export.export(ckpt, str(tmp_path / 'export'), torch.float32),
                      lambda: checkpoint.load_weights(ckpt, load_policy(base, 'cpu')),
                      lambda: checkpoint.read_tensors(ckpt, 'optim')):
             with pytest.raises(pickle.UnpicklingError, match=refused):
                 read()
         with pytest.raises(SystemExit, match=f'cannot resume from {ckpt}: UnpicklingError: {refused}'):
-            checkpoint.resume([ckpt], policy, opts, Anchor(policy), log=lambda m: None)
+            checkpoint.resume([ckpt], policy, opts, Anchor(policy, 'dual', every=10), log=lambda m: None)
         assert not os.path.exists(marker) and not os.path.exists(tmp_path / 'export'), name
 
 
@@ -475,5 +475,6 @@ def test_save_clears_what_interrupted_saves_left(tmp_path):
         (out / d / '__0_0.distcp').write_bytes(b'half')
     model = torch.nn.Linear(2, 2)
     checkpoint.save(str(out / 'ckpt_000005'), model, [torch.optim.AdamW(model.parameters())], {}, dict(iter_num=5))
+    checkpoint.finish_deletes()  # rank 0 deletes in the background (renamed out of the way at once)
     assert sorted(os.listdir(out)) == ['ckpt_000005', 'export.tmp', 'latest']
     assert checkpoint.damage(str(out / 'ckpt_000005')) is None
