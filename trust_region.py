@@ -1,21 +1,24 @@
 """
-The trust region of SAGE-GRPO (docs/method.md section 5): the KL of two transition Gaussians, the anchor
-(a frozen copy of the policy's trainable weights) and the lambda_KL controller.
+The trust region of SAGE-GRPO (docs/method.md section 5): the KL of two transition Gaussians, the
+anchor (a frozen copy of the policy's trainable weights) and the lambda_KL controller.
 
     KL(mean_a, mean_b) = mean over elements of (mean_a - mean_b)^2 / (2 std_t^2)
-    loss_kl = lambda_KL * (beta_pos * KL(mean_theta, mean_anchor) + beta_vel * KL(mean_theta, mean_old))
+    loss_kl = lambda_KL * (beta_pos * KL(mean_theta, mean_anchor)
+                           + beta_vel * KL(mean_theta, mean_old))
 
 Strategies: 'none' (no KL), 'fixed' (anchor = initial model), 'stepwise' (velocity term only),
 'moving' (anchor refreshed every N optimizer steps, position term), 'dual' (both: the paper's).
 'none' and 'stepwise' need no anchor: Anchor() may be built for them but holds nothing.
 
-Where this differs from the paper and the released code (docs/method.md section 6): KLController.update
-is called by train.py once per optimizer step with the KL averaged over all ranks (kl_update='step'), where
-the released code calls it after every backward with the rank's own KL (kl_update='backward': its warm-up
-is over in ~2.5 optimizer steps and the ranks' lambdas drift apart); the velocity term is the exact Gaussian KL, not the released sample estimate (why: section
-5.4; train.py's kl_estimator='sample' restores it); the controller keeps the printed direction (high KL
-*relaxes* the penalty), DIRECTION = -1 gives the stabilising one. Its start, floor, ceiling, warm-up and
-target are train.py's settings kl_init, kl_min, kl_max, kl_warmup, kl_target (section 5.5).
+Where this differs from the paper and the released code (docs/method.md section 6):
+KLController.update is called by train.py once per optimizer step with the KL averaged over all
+ranks (kl_update='step'), where the released code calls it after every backward with the rank's own
+KL (kl_update='backward': its warm-up is over in ~2.5 optimizer steps and the ranks' lambdas drift
+apart); the velocity term is the exact Gaussian KL, not the released sample estimate (why: section
+5.4; train.py's kl_estimator='sample' restores it); the controller keeps the printed direction (high
+KL *relaxes* the penalty), direction = -1 gives the stabilising one. Its start, floor, ceiling,
+warm-up and target are train.py's settings kl_init, kl_min, kl_max, kl_warmup, kl_target, and the
+anchor's refresh period anchor_every (section 5.5): arguments without defaults here, written once.
 
 Tested by: python -m pytest tests/test_trust_region.py   (the FSDP2 part runs torchrun on CPU)
 """
@@ -26,17 +29,14 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies (docs/method.md section 5.3)
-ANCHOR_EVERY = 10  # moving anchor: copy policy -> anchor every N optimizer steps
-LAM_INIT = 1e-7  # lambda_KL at the first optimizer step (start of the warm-up)
-LAM_MIN = 1e-7  # lower clip of lambda_KL
-LAM_MAX = 1e-5  # upper clip of lambda_KL, and the end of the warm-up
-KL_TARGET = 1e-5  # target of the windowed mean KL
-WARMUP = 100  # updates of linear warm-up LAM_INIT -> LAM_MAX before the deadband rule
-WINDOW = 10  # the deadband compares the mean of the last WINDOW observed KLs
-HIGH, LOW = 1.5, 0.5  # deadband edges, as multiples of KL_TARGET
-DECAY, GROW = 0.9, 1.1  # multipliers of lambda_KL when leaving the deadband
-DIRECTION = +1  # +1: the paper's printed rule, KL high -> lambda *= DECAY (relaxes); -1 stabilises
+STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies (docs/method.md 5.3)
+ESTIMATORS = ('exact', 'sample')  # the velocity term: the Gaussian KL | the released one-sample estimate
+CHOICES = dict(kl_strategy=STRATEGIES, kl_estimator=ESTIMATORS)  # train.py's settings that pick these
+# the controller's rule: the paper's printed values, fixed (docs/method.md 5.5), not settings
+WINDOW = 10  # the deadband compares the mean of the last WINDOW observed KLs (printed value, fixed)
+HIGH, LOW = 1.5, 0.5  # deadband edges, as multiples of the target (printed values, fixed)
+DECAY, GROW = 0.9, 1.1  # multipliers of lambda_KL leaving the deadband (printed values, fixed)
+DIRECTION = +1  # printed: KL high -> lambda *= DECAY, relaxing; -1 stabilises (kl_direction)
 
 
 def kl_weights(strategy, beta_pos, beta_vel):
@@ -56,23 +56,28 @@ def gaussian_kl(mean, mean_ref, std):
 
 def _trainable(model):
     # the weights the optimizer moves: all of them for a full fine-tune, the adapters for LoRA (peft
-    # freezes the base; with diffusers' add_adapter, call requires_grad_(False) first). FSDP2 leaves the
-    # root's weights all-gathered after a forward; resharding every unit first returns the sharded
-    # DTensors the optimizer holds (infra/parallel.py's reshard, which this file does not import)
+    # freezes the base; with diffusers' add_adapter, call requires_grad_(False) first). FSDP2 leaves
+    # the root's weights all-gathered after a forward; resharding every unit first returns the
+    # sharded DTensors the optimizer holds (infra/parallel.py's reshard, not imported here)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t  # a DTensor's shard on this rank (a view)
+
+
 class Anchor:
     """A frozen copy of the policy's trainable weights; under FSDP2 it holds only local shards."""
 
-    def __init__(self, model, strategy='dual', every=ANCHOR_EVERY):
+    def __init__(self, model, strategy, every):  # every: train.py's anchor_every
         if strategy not in STRATEGIES:
             raise ValueError(f'unknown KL strategy {strategy!r}, expected one of {STRATEGIES}')
         self.strategy, self.every = strategy, every
         self.weights = {}  # name -> tensor (a sharded DTensor under FSDP2); empty if not needed
+        self._buffers = {}  # (dtype, device) -> applied()'s swap buffer
         if strategy in ('fixed', 'moving', 'dual'):
             with torch.no_grad():  # clone of a DTensor is a DTensor with the same local shard size
                 self.weights = {n: p.detach().clone() for n, p in _trainable(model).items()}
@@ -98,17 +103,31 @@ class Anchor:
         """
         if not self.weights:
             raise RuntimeError(f'strategy {self.strategy!r} keeps no anchor')
-        params = _trainable(model)
+        swapped = []
         with torch.no_grad():
-            saved = {name: p.detach().clone() for name, p in params.items()}  # the policy's weights
             try:
-                for name, p in params.items():
-                    p.copy_(self.weights[name])
+                for name, p in _trainable(model).items():
+                    self._swap(p, self.weights[name])  # the policy's weights wait in the anchor's tensors
+                    swapped.append(name)
                 yield  # the body runs under no_grad too: the anchor's output is a target
             finally:  # reshard first, or the root keeps the anchor's gathered weights
                 params = _trainable(model)
-                for name, p in params.items():
-                    p.copy_(saved[name])  # bitwise: a plain copy of the same dtype and layout
+                for name in swapped:
+                    self._swap(params[name], self.weights[name])  # both back, bitwise: plain copies
+
+    def _swap(self, a, b):
+        # exchange the contents of two tensors of one shape and dtype (sharded DTensors: their local
+        # shards) through a buffer kept for it: no per-call copy of all the weights (3.9 GB a GPU at 8.3B
+        # in fp32), one buffer the size of the largest local tensor, allocated once
+        a, b = _local(a), _local(b)
+        key = (a.dtype, a.device)
+        if key not in self._buffers:
+            size = max(_local(w).numel() for w in self.weights.values())
+            self._buffers[key] = torch.empty(size, dtype=a.dtype, device=a.device)
+        tmp = self._buffers[key][:a.numel()].view(a.shape)
+        tmp.copy_(a)
+        a.copy_(b)
+        b.copy_(tmp)
 
     def state_dict(self):
         # name -> the anchor's own tensors (no copy, like nn.Module.state_dict): trainable-parameter
@@ -137,9 +156,8 @@ class KLController:
         k >  warmup:  the deadband rule on the mean of the last `window` KLs (warm-up KLs count).
     """
 
-    def __init__(self, lam_init=LAM_INIT, lam_min=LAM_MIN, lam_max=LAM_MAX, target=KL_TARGET,
-                 warmup=WARMUP, window=WINDOW, high=HIGH, low=LOW, decay=DECAY, grow=GROW,
-                 direction=DIRECTION):
+    def __init__(self, lam_init, lam_min, lam_max, target, warmup, window=WINDOW, high=HIGH,
+                 low=LOW, decay=DECAY, grow=GROW, direction=DIRECTION):
         self.lam_init, self.lam_min, self.lam_max, self.target = lam_init, lam_min, lam_max, target
         self.warmup, self.high, self.low, self.direction = warmup, high, low, direction
         self.decay, self.grow = decay, grow

@@ -151,7 +151,7 @@ def worker(layers, heads, impl, phase, path, result):
             p.grad = torch.randn_like(p) * 1e-3
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    anchor = Anchor(model, 'dual')
+    anchor = Anchor(model, 'dual', every=10)
     loop = dict(iter_num=1, opt_steps=1, world=world, controller={}, config={})
     if ddp:
         dist.barrier()

@@ -74,7 +74,7 @@ def check():
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)  # random weights: the cost does not depend on their values
-    opt, anchor = setup(model, dev), Anchor(model, 'dual')
+    opt, anchor = setup(model, dev), Anchor(model, 'dual', every=10)
     store, text, text_neg = inputs(cfg, rollout_batch, Fr, H, W, L1, L2, dev)
     res, t = {}, [time.time()]
 

@@ -363,7 +363,7 @@ def measure(cfg, what, Fr, H, W, world=None, lora=0, fake=True, attn='gpu', bf16
         flops = FlopCount()
         with tracker, flops:
             base = snap(tracker).get('Total', 0)
-            anchor = Anchor(model, 'dual')  # a frozen sharded fp32 copy of the trainable weights
+            anchor = Anchor(model, 'dual', every=10)  # a frozen sharded fp32 copy of the trainable weights
             mid = snap(tracker)['Total']
             store, text, text_neg = f.inputs(cfg, max(n_store, rollout_n), Fr, H, W, L1, L2, 'cpu')
             resident = dict(anchor=mid - base, store=snap(tracker)['Total'] - mid)

@@ -82,7 +82,7 @@ def check(rank, world):
     assert torch.equal(y_policy, y_policy_again), 'policy weights not restored after applied()'
 
     sd = anchor.state_dict()  # DTensor shards; round trip through a fresh anchor
-    other = Anchor(model, 'dual')
+    other = Anchor(model, 'dual', every=10)
     other.load_state_dict(sd)
     with other.applied(model):
         assert torch.equal(model(x), y_initial), 'state_dict round trip'

@@ -89,7 +89,7 @@ def test_hsdp_2x2_sp2_equals_one_process_and_checkpoints_hold_every_shard(tmp_pa
     from infra.optimizer import build
     from trust_region import Anchor
     policy = load_policy(str(tmp_path / 'toy2'), 'cpu')
-    opts, anchor = build(policy, 'muon', 1e-5, 0.01), Anchor(policy)
+    opts, anchor = build(policy, 'muon', 1e-5, 0.01), Anchor(policy, 'dual', every=10)
     assert checkpoint.load(newest, policy, opts, anchor)['iter_num'] == 3
     assert all(torch.equal(p.detach(), wb[n]) for n, p in policy.named_parameters() if n in wb)
     assert all('momentum_buffer' in opts[0].state[p] for p in opts[0].param_groups[0]['params'])

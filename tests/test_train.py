@@ -415,7 +415,7 @@ def test_prompt_noise_and_kl_update_settings(tmp_path, monkeypatch):
     csv = tmp_path / 'train.csv'
     csv.write_text('index,prompt,seed\n0,a red circle moving left,1234\n1,"a blue square moving up",\n')
     from models import toy
-    from trust_region import LAM_INIT, LAM_MAX, WARMUP
+    lam_init, lam_max, warmup = 1e-7, 1e-5, 100  # the schedule of docs/method.md 5.5, given explicitly
     shape = toy.LATENT_SHAPE
     out = {}
     from models import policy as model
@@ -429,7 +429,8 @@ def test_prompt_noise_and_kl_update_settings(tmp_path, monkeypatch):
     for noise, cadence in (('fixed', 'backward'), ('fresh', 'step')):
         calls, d = [], str(tmp_path / noise)
         run_here(monkeypatch, SMALL + [f'--out_dir={d}', '--max_iters=2', f'--train_prompts={csv}',
-                                       f'--prompt_noise={noise}', f'--kl_update={cadence}'])
+                                       f'--prompt_noise={noise}', f'--kl_update={cadence}', f'--kl_init={lam_init}',
+                                       f'--kl_min={lam_init}', f'--kl_max={lam_max}', f'--kl_warmup={warmup}'])
         assert len(calls) == 2  # one rollout call (all 4 clips) per iteration
         by_prompt = []
         for text, x in calls:  # -> {prompt embedding: [member 0 noise, member 1 noise]} per iteration
@@ -440,7 +441,7 @@ def test_prompt_noise_and_kl_update_settings(tmp_path, monkeypatch):
         # step ('step') or one per backward ('backward': 2 micro-batches x 2 trained steps per iteration)
         per_iter = 4 if cadence == 'backward' else 1
         lam = [r['lambda_kl'] for r in metrics(d) if 'reward' in r]
-        assert lam == pytest.approx([LAM_INIT + (LAM_MAX - LAM_INIT) * per_iter * k / WARMUP for k in (1, 2)], rel=1e-9)
+        assert lam == pytest.approx([lam_init + (lam_max - lam_init) * per_iter * k / warmup for k in (1, 2)], rel=1e-9)
     fixed, fresh = out['fixed'], out['fresh']
     assert fixed[0].keys() == fixed[1].keys() and len(fixed[0]) == 2
     for k in fixed[0]:

@@ -13,6 +13,8 @@ from peft import LoraConfig, get_peft_model
 import trust_region as tr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+# the schedule of docs/method.md 5.5 (train.py's kl_init, kl_min, kl_max, kl_target, kl_warmup)
+PAPER = dict(lam_init=1e-7, lam_min=1e-7, lam_max=1e-5, target=1e-5, warmup=100)
 
 
 def test_gaussian_kl_is_the_mean_log_ratio():
@@ -34,23 +36,23 @@ def test_gaussian_kl_is_the_mean_log_ratio():
 # ---- lambda_KL controller ----
 
 def test_controller_warmup_deadband_and_clip():
-    c = tr.KLController()
-    assert c.value == tr.LAM_INIT  # optimizer step 0 trains with lam_init
-    values = [c.update(0.0) for _ in range(tr.WARMUP)]  # KL ignored during warm-up
+    c = tr.KLController(**PAPER)
+    assert c.value == 1e-7  # optimizer step 0 trains with lam_init
+    values = [c.update(0.0) for _ in range(100)]  # KL ignored during warm-up
     assert math.isclose(values[0], 1e-7 + (1e-5 - 1e-7) / 100)  # after update 1: step 1's value
     assert math.isclose(values[49], 1e-7 + (1e-5 - 1e-7) / 2)
     assert math.isclose(values[-1], 1e-5) and c.value == values[-1]
-    c = tr.KLController(warmup=0, lam_init=1e-6)
+    c = tr.KLController(**dict(PAPER, warmup=0, lam_init=1e-6))
     assert math.isclose(c.update(1e-5), 1e-6)  # inside the deadband: unchanged
     assert math.isclose(c.update(3e-5), 1e-6 * 0.9)  # window mean 2e-5 > 1.5e-5: printed rule relaxes
-    c = tr.KLController(warmup=0, lam_init=1e-6, direction=-1)
+    c = tr.KLController(**dict(PAPER, warmup=0, lam_init=1e-6), direction=-1)
     c.update(1e-5)
     assert math.isclose(c.update(3e-5), 1e-6 * 1.1)  # the stabilising rule tightens
-    c = tr.KLController(warmup=0, lam_init=1e-5)
+    c = tr.KLController(**dict(PAPER, warmup=0, lam_init=1e-5))
     assert c.update(0.0) == 1e-5  # would grow, clipped at lam_max
-    c = tr.KLController(warmup=0, lam_init=1e-7)
+    c = tr.KLController(**dict(PAPER, warmup=0, lam_init=1e-7))
     assert c.update(1.0) == 1e-7  # would shrink, clipped at lam_min
-    c2 = tr.KLController()
+    c2 = tr.KLController(**PAPER)
     c2.load_state_dict(c.state_dict())
     assert c2.state_dict() == c.state_dict() and isinstance(c.state_dict()['history'], list)
 
@@ -58,15 +60,15 @@ def test_controller_warmup_deadband_and_clip():
 @pytest.mark.parametrize('lam_max', [1e-5, 1e-3])
 def test_controller_direction_in_a_loop(lam_max):
     # the policy drifts less the stronger the penalty: observed KL = k / lambda, KL = target at 1e-6
-    k = 1e-6 * tr.KL_TARGET
+    k = 1e-6 * PAPER['target']
     for start in dict(), dict(warmup=0, lam_init=1e-7):  # after the warm-up (at lam_max) / from below
-        printed = tr.KLController(lam_max=lam_max, **start)
-        flipped = tr.KLController(lam_max=lam_max, direction=-1, **start)
+        printed = tr.KLController(**dict(PAPER, lam_max=lam_max, **start))
+        flipped = tr.KLController(**dict(PAPER, lam_max=lam_max, **start), direction=-1)
         for _ in range(1000):
             printed.update(k / printed.value)
             flipped.update(k / flipped.value)
         assert printed.value in (printed.lam_min, lam_max)  # the printed rule runs to a bound
-        assert 0.5 < k / flipped.value / tr.KL_TARGET < 1.5  # the flipped rule settles in the deadband
+        assert 0.5 < k / flipped.value / PAPER['target'] < 1.5  # the flipped rule settles in the deadband
         before = flipped.value
         flipped.update(k / flipped.value)
         assert flipped.value == before
@@ -95,7 +97,7 @@ def paper_lambdas(kls, direction=+1):
 
 
 def run(kls, **kw):
-    c = tr.KLController(**kw)
+    c = tr.KLController(**PAPER, **kw)
     return [c.update(kl) for kl in kls]
 
 
@@ -116,7 +118,7 @@ def test_controller_ends_warmup_exactly():
 def test_warmup_starts_at_kl_init_not_kl_min():
     # kl_init 1e-6 above the floor kl_min 1e-7: the warm-up runs 1e-6 -> 1e-5 over 4 updates, by hand
     # 1e-6 + 9e-6 k / 4; from the floor it would be 1e-7 + 9.9e-6 k / 4 (3.3e-6 vs 3.25e-6 at k = 1)
-    c = tr.KLController(lam_init=1e-6, lam_min=1e-7, lam_max=1e-5, warmup=4)
+    c = tr.KLController(lam_init=1e-6, lam_min=1e-7, lam_max=1e-5, target=1e-5, warmup=4)
     assert c.value == 1e-6  # the first optimizer step trains with kl_init
     got = [c.update(1e-3) for _ in range(4)]
     assert got == pytest.approx([3.25e-6, 5.5e-6, 7.75e-6, 1e-5], rel=1e-12, abs=0)
@@ -204,7 +206,7 @@ def test_anchor_plain_module():
     with anchor.applied(model):
         assert torch.equal(model(x), y_policy)
     # state_dict round trip into a fresh anchor of another state
-    other = tr.Anchor(mlp(), 'moving')
+    other = tr.Anchor(mlp(), 'moving', every=10)
     other.load_state_dict(anchor.state_dict())
     with other.applied(model):
         assert torch.equal(model(x), y_policy)
@@ -212,7 +214,7 @@ def test_anchor_plain_module():
 
 def test_anchor_strategies():
     model, x = mlp(), torch.randn(4, 6)
-    fixed = tr.Anchor(model, 'fixed')
+    fixed = tr.Anchor(model, 'fixed', every=10)
     y0 = model(x).detach()
     for step in range(1, 31):
         sgd_step(model, x)
@@ -220,20 +222,20 @@ def test_anchor_strategies():
     with fixed.applied(model):
         assert torch.equal(model(x), y0)  # the initial model, forever
     for strategy in ('none', 'stepwise'):  # no anchor needed
-        a = tr.Anchor(model, strategy)
+        a = tr.Anchor(model, strategy, every=10)
         a.maybe_refresh(model, 10)
         assert a.weights == {} and a.state_dict() == {}
         with pytest.raises(RuntimeError):
             with a.applied(model):
                 pass
     with pytest.raises(ValueError):
-        tr.Anchor(model, 'sliding')
+        tr.Anchor(model, 'sliding', every=10)
 
 
 def test_anchor_lora_holds_only_adapters():
     model = get_peft_model(mlp(), LoraConfig(r=2, lora_alpha=4, target_modules=['0', '2']))
     lora = {n for n, p in model.named_parameters() if 'lora_' in n}
-    anchor = tr.Anchor(model, 'dual')
+    anchor = tr.Anchor(model, 'dual', every=10)
     assert anchor.weights.keys() == lora and len(lora) == 4
     x = torch.randn(4, 6)
     with torch.no_grad():
@@ -248,7 +250,7 @@ def test_anchor_lora_holds_only_adapters():
     assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n not in lora)
     sd = anchor.state_dict()
     assert sd.keys() == lora
-    fresh = tr.Anchor(model, 'dual')
+    fresh = tr.Anchor(model, 'dual', every=10)
     fresh.load_state_dict(sd)
     with fresh.applied(model):
         assert torch.equal(model(x), y_anchor)
