@@ -15,7 +15,8 @@ With an SDE window (sde.window) only the window's steps are trained: the median 
 (`steps`), and every other step has scale 1.
 
 Where this differs from the released code: the median of an even number of steps is numpy's (the
-mean of the two middle values, docs/method.md's 0.1667); median='lower' gives the released torch.median.
+mean of the two middle values, docs/method.md's 0.1667); median='lower' gives the released
+torch.median.
 
 Tested by: python -m pytest tests/test_equalizer.py (over a window: tests/test_compute.py)
 """
@@ -44,7 +45,8 @@ def proxy(kind, sigmas, eta):
     return torch.where(stochastic, lam.abs() / torch.where(stochastic, std, 1.0), 0.0).float()
 
 
-MEDIANS = ('mean_of_middle', 'lower')  # the median of an even count: numpy's (docs/method.md 3.3) | torch.median's (released)
+# the median of an even count: numpy's (docs/method.md 3.3) | torch.median's (the released one)
+MEDIANS = ('mean_of_middle', 'lower')
 
 
 def scales(kind, sigmas, eta, median='mean_of_middle', steps=None):
@@ -62,8 +64,9 @@ def scales(kind, sigmas, eta, median='mean_of_middle', steps=None):
     if not stochastic.any():  # an all-ODE schedule: nothing is trained
         return torch.ones(len(s))
     # for an even count 'mean_of_middle' is the mean of the two middle values (numpy's median): that
-    # reproduces the 0.1667 of docs/method.md section 3.3 for 20 sage steps; 'lower' is torch.median's lower middle value, 0.1528,
-    # which the released code uses (every S_t is then 0.917x smaller; an odd count gives the same)
-    med = torch.quantile(n[stochastic], 0.5) if median == 'mean_of_middle' else n[stochastic].sort().values[
-        (int(stochastic.sum()) - 1) // 2]
+    # reproduces the 0.1667 of docs/method.md section 3.3 for 20 sage steps; 'lower' is
+    # torch.median's lower middle value, 0.1528, which the released code uses (every S_t is then
+    # 0.917x smaller; an odd count gives the same)
+    lower = n[stochastic].sort().values[(int(stochastic.sum()) - 1) // 2]
+    med = torch.quantile(n[stochastic], 0.5) if median == 'mean_of_middle' else lower
     return torch.where(stochastic, med / torch.where(stochastic, n, 1.0), 1.0).float()

@@ -16,7 +16,8 @@ Sigma is the noise variance of one step (docs/method.md section 2):
 Where this differs from the paper and why:
 - sage on fine schedules: the paper's formula -d + log((1-s')/(1-min(s, 1-eps))) goes negative for a
   step lying (almost) entirely above the clamp (e.g. the first two steps of a 200-step schedule).
-  We floor it at 0, so such a step is an ODE step (no noise, no log-prob, not trained); see variance().
+  We floor it at 0, so such a step is an ODE step (no noise, no log-prob, not trained); see
+  variance().
 - cps: the log-prob is the true Gaussian density (the CPS reference code drops the constants and
   the 1/(2 std^2) factor), the same density as every other kind.
 - the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
@@ -25,8 +26,9 @@ Where this differs from the paper and why:
 - the last CPS step (s' = 0: std 0, a deterministic step) has no log-probability (logp None) and is
   never trained; reference implementations return a finite value there (their density with its
   std-dependent terms dropped or floored) and train that step too.
-- optional (not in the paper; Flow-GRPO-Fast, MixGRPO): window() makes only a window of w consecutive
-  steps stochastic (and trained); the rollout takes ODE steps (kind 'ode') everywhere else.
+- optional (not in the paper; Flow-GRPO-Fast, MixGRPO): window() makes only a window of w
+  consecutive steps stochastic (and trained); the rollout takes ODE steps (kind 'ode') everywhere
+  else.
 
 Tested by: python -m pytest tests/test_sde.py (the window: tests/test_compute.py)
 """
@@ -37,7 +39,9 @@ import torch
 
 KINDS = ('ode', 'dance', 'flow', 'sage', 'cps')  # sampler names
 TRAINABLE = KINDS[1:]  # the SDEs: an ODE step has no log-probability to train
-SAGE_CLAMP = 1 - 3e-3  # sage: upper end of the noise integral; u/(1-u) diverges at u = 1
+# sage: upper end of the noise integral, u/(1-u) diverging at u = 1. Fixed, not a setting: the
+# released code's clamp 3e-3, which the paper's figures were made with (docs/method.md 2.2)
+SAGE_CLAMP = 1 - 3e-3
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # Gaussian normalising constant per element
 
 
@@ -45,13 +49,14 @@ def sigmas(num_steps, shift):
     # exactly what HunyuanVideo15Pipeline hands FlowMatchEulerDiscreteScheduler: numpy's linspace in
     # float64 (i * (-1/N) + 1, as numpy computes it), rounded to float32, then shifted in float32
     # (the same correctly rounded float32 operations as numpy's), then a terminal 0 is appended
-    u = (torch.arange(num_steps, dtype=torch.float64) * (-1.0 / num_steps) + 1.0).float()  # (N,) 1 .. 1/N
+    u = (torch.arange(num_steps, dtype=torch.float64) * (-1.0 / num_steps) + 1.0).float()  # (N,)
     s = shift * u / (1 + (shift - 1) * u)  # (N,) float32, s[0] == 1.0 exactly
     return torch.cat([s, torch.zeros(1)])  # (N+1,)
 
 
 def _as_tensor(s):
-    # floats become 0-d float64 tensors so every kind is one tensor formula; the caller converts back
+    # floats become 0-d float64 tensors so every kind is one tensor formula; the caller converts
+    # back
     return s if torch.is_tensor(s) else torch.tensor(float(s), dtype=torch.float64)
 
 
@@ -69,16 +74,18 @@ def variance(kind, s, s_next, eta):
     elif kind == 'dance':
         var = eta**2 * d
     elif kind == 'flow':
-        one_minus = torch.where(s >= 1, 1 - s_next, 1 - s)  # FlowGRPO uses s_1 for s = 1 (first step)
+        # FlowGRPO uses s_1 for s = 1 (the first step)
+        one_minus = torch.where(s >= 1, 1 - s_next, 1 - s)
         var = eta**2 * s / one_minus * d
     elif kind == 'sage':
         # the paper's formula, with min() on both ends: the log part integrates 1/(1-u) over
-        # [s', s] ∩ [0, c] while -d still spans the whole step. For s' <= c this is the paper's formula
-        # exactly (and docs/method.md's table); for a step reaching into [c, 1] the log part loses the
-        # piece above c, and a step inside [c, 1] would get -eta^2 d < 0. The floor at 0 keeps it
-        # continuous and makes such a step an ODE step: near u = 1 the noise rate eta^2 u/(1-u)
-        # is infinite, any finite choice is arbitrary, and a zero-noise step still preserves the
-        # marginals (the ODE does), whereas capping the rate at c would change that table.
+        # [s', s] ∩ [0, c] while -d still spans the whole step. For s' <= c this is the paper's
+        # formula exactly (and docs/method.md's table); for a step reaching into [c, 1] the log part
+        # loses the piece above c, and a step inside [c, 1] would get -eta^2 d < 0. The floor at 0
+        # keeps it continuous and makes such a step an ODE step: near u = 1 the noise rate
+        # eta^2 u/(1-u) is infinite, any finite choice is arbitrary, and a zero-noise step still
+        # preserves the marginals (the ODE does), whereas capping the rate at c would change that
+        # table.
         hi, lo = s.clamp(max=SAGE_CLAMP), s_next.clamp(max=SAGE_CLAMP)
         var = (eta**2 * (-d + torch.log1p((hi - lo) / (1 - hi)))).clamp(min=0)  # log((1-lo)/(1-hi))
     else:  # cps
@@ -87,14 +94,15 @@ def variance(kind, s, s_next, eta):
 
 
 def window(steps, size, seed):
-    """The steps that are stochastic, and trained, in a rollout with sde_window=size: `size` consecutive
-    entries of `steps` (the schedule's stochastic steps) from a start drawn uniformly from seed (train.py:
-    a function of (seed, iteration), shared by every clip and rank, so a resumed run draws the same);
-    all of `steps` if size is 0 or covers them. Flow-GRPO-Fast's random window, not MixGRPO's sliding
-    one: docs/method.md section 6.3 says why."""
+    """The steps that are stochastic, and trained, in a rollout with sde_window=size: `size`
+    consecutive entries of `steps` (the schedule's stochastic steps) from a start drawn uniformly
+    from seed (train.py: a function of (seed, iteration), shared by every clip and rank, so a
+    resumed run draws the same); all of `steps` if size is 0 or covers them. Flow-GRPO-Fast's random
+    window, not MixGRPO's sliding one: docs/method.md section 6.3 says why."""
     if not size or size >= len(steps):
         return list(steps)
-    start = int(torch.randint(len(steps) - size + 1, (), generator=torch.Generator().manual_seed(seed % 2 ** 63)))
+    gen = torch.Generator().manual_seed(seed % 2 ** 63)
+    start = int(torch.randint(len(steps) - size + 1, (), generator=gen))
     return list(steps[start:start + size])
 
 
@@ -114,20 +122,23 @@ class Step(NamedTuple):
 
 
 def log_prob(x_next, mean, std, weight=None):
-    """(B,) float32 log-density of x_next (B, ...) under N(mean, std^2 I), std (B,) > 0: the full Gaussian
-    per element, then the mean over all non-batch elements, or with weight (broadcastable to x_next,
-    >= 0, detached: extras/credit.py) the weighted mean sum(w logp) / sum(w). weight=None is bitwise the mean."""
+    """(B,) float32 log-density of x_next (B, ...) under N(mean, std^2 I), std (B,) > 0: the full
+    Gaussian per element, then the mean over all non-batch elements, or with weight (broadcastable
+    to x_next, >= 0, detached: extras/credit.py) the weighted mean sum(w logp) / sum(w).
+    weight=None is bitwise the mean."""
     sd = std.float().view(x_next.shape[0], *[1] * (x_next.dim() - 1))  # (B, 1, ...)
     logp = -(x_next.float() - mean) ** 2 / (2 * sd**2) - torch.log(sd) - LOG_SQRT_2PI  # (B, ...)
     if weight is None:
         return logp.flatten(1).mean(1)
-    w = weight.detach().float().expand_as(logp)  # (B, ...) credit is data, not a function of the weights
+    w = weight.detach().float().expand_as(logp)  # (B, ...) credit is data, not of the weights
     return (w * logp).flatten(1).sum(1) / w.flatten(1).sum(1)
 
 
-def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noise=None, weight=None):
-    """One step s -> s_next. x_next=None: sample it (rollout) with z = noise, or drawn from generator.
-    x_next given: score it (training). weight: per-element weight of the log-prob (see log_prob)."""
+def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noise=None,
+         weight=None):
+    """One step s -> s_next. x_next=None: sample it (rollout) with z = noise, or drawn from
+    generator. x_next given: score it (training). weight: per-element weight of the log-prob (see
+    log_prob)."""
     B, ndim = x.shape[0], x.dim()
     s64 = _as_tensor(s).double().to(x.device).expand(B)  # (B,) per-sample sigma
     s_next64 = _as_tensor(s_next).double().to(x.device).expand(B)  # (B,)
@@ -138,7 +149,8 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noi
     dt, c_, s_ = bcast(s_next64 - s64), bcast(c), bcast(s64)
     x32, v32 = x.float(), v.float()  # (B, ...) float32: bf16 would lose the small dt * v update
     noise_hat = x32 + (1 - s_) * v32  # (B, ...)
-    # Euler first, then the correction: with c = 0 this is bitwise FlowMatchEulerDiscreteScheduler.step
+    # Euler first, then the correction: with c = 0 this is bitwise
+    # FlowMatchEulerDiscreteScheduler.step
     mean = x32 + dt * v32 - c_ * noise_hat  # (B, ...)
     std = var.sqrt().float()  # (B,)
     stochastic = std > 0  # (B,); the check below is a host sync on GPU (a few bytes)
@@ -151,5 +163,5 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noi
         z = noise.float() if noise is not None else \
             torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
         x_next = (mean.detach() + bcast(std) * z).to(x.dtype)
-    # full Gaussian log-density per element, float32, averaged (or credit-weighted) over the elements
+    # full Gaussian log-density per element, float32, averaged (or credit-weighted) over elements
     return Step(x_next, mean, std, log_prob(x_next, mean, std, weight))
