@@ -43,7 +43,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from infra.parallel import reshard
 
 KINDS = ('muon', 'adamw')  # the `optimizer` setting of train.py
-MOMENTUM = 0.95            # Muon's Nesterov momentum (released default)
+MOMENTUM = 0.95            # Muon's Nesterov momentum: the released value, fixed (not a setting)
 ADAMW_BETAS = (0.95, 0.95)  # betas of the AdamW part of the muon setting (the released Muon's backup)
 ADAMW_EPS = 1e-8           # eps of that AdamW part
 ADJUST_LR = 'match_rms_adamw'  # lr * 0.2 * sqrt(max(A, B)): the released adjust_lr_for_muon
