@@ -130,9 +130,12 @@ def load_pickscore(pickscore_dir, device='cpu', dtype=torch.float32, processor_d
 
 def move(fns, device):
     """The scorers' models to device: train.py keeps them on the CPU and on the GPU only while it
-    evaluates (CLIP-L and PickScore are ~5.7 GB in fp32, which the update's peak need not carry)."""
+    evaluates (CLIP-L and PickScore are ~5.7 GB in fp32, which the update's peak need not carry), there
+    in bf16 (2.6 GB beside the evaluation's rollouts; they stay bf16 when moved back, so every
+    evaluation of a run scores with the same weights)."""
+    on_gpu = torch.device(device).type == 'cuda'
     for fn in fns.values():
-        fn.model.to(device)
+        fn.model.to(device, torch.bfloat16 if on_gpu else None)
     if fns and torch.device(device).type == 'cpu' and torch.cuda.is_available():
         torch.cuda.empty_cache()  # their blocks back to the driver, not kept cached beside the update
 

@@ -110,6 +110,7 @@ def load_decoder(path, device):
         vae = AutoencoderKLHunyuanVideo15.from_pretrained(path, subfolder='vae', torch_dtype=torch.bfloat16)
     except (OSError, ValueError) as e:
         raise missing(path, 'VAE', e) from e
+    vae.encoder = None  # decode only: the encoder's weights never reach the GPU
     vae = vae.to(device).requires_grad_(False).eval()
     vae.enable_tiling()  # 81 frames at 480p do not fit in one pass
     vae.enable_slicing()  # one clip at a time: diffusers 0.42's VAE attention mask breaks for B > 1

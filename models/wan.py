@@ -323,6 +323,7 @@ def load_decoder(path, device):
         vae = AutoencoderKLWan.from_pretrained(path, subfolder='vae', torch_dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise missing(path, 'VAE', e) from e
+    vae.encoder = vae.quant_conv = None  # decode only (diffusers counts the encoder's convs at build time)
     vae = vae.to(device).requires_grad_(False).eval()
     vae.enable_slicing()  # one clip at a time: the batch's activations never coexist
     mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)  # (1, C, 1, 1, 1)
