@@ -1,165 +1,214 @@
 """
-The one prepared command for a lent GPU machine: the stand-in measurement (bench/fullsize_gpu.py),
-the blocks' attention timed per processor and backend (bench/attention.py --gpu), then the program
-itself, train.py and sample.py, as a user runs them on one GPU.
+The one command for a lent GPU machine (one H200 for a short window: torch and transformers installed, no
+diffusers, no network, no weights, one output folder of at most 8 files): six phases, each a process with
+its own time limit, all within `deadline` seconds (9 minutes; 9.5 with the install).
 
-    python -m bench.gpu_check                     # on one GPU, ~10 minutes at most -> results/gpu_check.{md,json}
-    python -m bench.gpu_check --device=cpu        # the same phases on a CPU (the rehearsal's 1-block models)
-    python -m bench.gpu_check --device=cpu --tiny # the same with the tests' tiny models: a few minutes
+    # once, here: diffusers and what it needs beyond that machine's packages, as wheels in .whl/ (ignored)
+    echo /.whl/ >> .git/info/exclude
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 -d .whl diffusers==0.42.1 importlib_metadata==8.7.0
+    # there: the device tool's run(carry=['.whl'], timeout_s=600, command=...), $OUT the folder that comes back
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out=$OUT
+    python -m bench.gpu_check --out=gpu_out                 # any machine with a GPU and the requirements
+    python -m bench.gpu_check --report=gpu_out              # a GPU run's files -> results/gpu.md
+    python -m bench.gpu_check --device=cpu --out=/tmp/gc    # the same phases at the tests' tiny sizes (~2.5 min)
 
-Models: the real weights when weights/ has them (the download commands of train.py's settings:
-HunyuanVideo-1.5-480p_t2v, VideoReward, Qwen2-VL-2B-Instruct, clip-vit-large-patch14, PickScore_v1),
-otherwise bench/rehearsal.py's random models at real width built here (cached in cache_dir), with
-`blocks` transformer blocks: 54 (the real depth) on a GPU, whose 8.3B parameters fit one GPU with
-LoRA (config/lora_1gpu.py, the one-GPU setting), 1 on a CPU.
-Phases, each a subprocess (its own CUDA peak: torch.cuda.max_memory_allocated at its exit, and the
-peak resident memory of its process tree; wall time):
-1. fullsize: `python -m bench.fullsize_gpu` (on a CPU: with --tiny), the stand-in forward + step
-   attention: `python -m bench.attention --gpu` (on a CPU: with --tiny), one block's forward +
-   backward per processor and backend -> results/attention_gpu.md (alone: that command)
-2. build: the rehearsal's models (skipped with real weights; cached)
-3. train: `python train.py config/lora_1gpu.py` on them: 1 iteration of 2 sampler steps, a tiny
-   video, evaluation at the start and end with CLIPScore and PickScore, a checkpoint, no export
-4. resume: the same command with --init_from=resume: reads the checkpoint, nothing left to train, exports
-5. sample: `python sample.py` from the export (with VideoAlign, CLIPScore, PickScore in its table)
-Then |ratio - 1| of the first update against the 1e-4 clip (max and clipped fraction, from
-metrics.jsonl): with one optimizer step per rollout batch theta == theta_old, so any |ratio - 1| is the
-numerical gap between the rollout's forward and the update's (bf16, batch size, checkpointing); above
-1e-4 the clip would zero the policy gradient of those steps.
-Its results are written by a GPU run (none in results/ yet); tests/test_fullsize.py runs its CPU path.
+Each phase writes <out>/<i>_<name>.json the moment it has something (a phase that fails or runs out of
+time still leaves its json, saying so) and prints one summary line; <out>/gpu_check.log keeps each
+phase's last output lines: 7 files. Random weights at the real width, built on the GPU
+(bench/gpu_phases.py); on a CPU the tests' tiny models.
+0. env: versions, a bf16 matmul's TFLOP/s, the kernel torch's SDPA runs for a block's attention.
+1. drift: the 8.3B transformer at full depth, the rollout-shaped forward (rollout_batch clips, no grad)
+   against the update-shaped one (one clip, grad + gradient checkpointing) at the same weights and x_t,
+   through policy.velocity and sde.step, at `steps` of sde.sigmas(20, 5): max |d logp|, |dv|/|v|, the
+   fraction of clips whose ratio leaves 1 +- clip_range (the update's ratio at theta == theta_old); the
+   rollout forward's time and peak.
+2. attention: valid_tokens (models/attention.attend) on native, _native_flash, _native_cudnn,
+   _native_efficient, flash and _flash_3 where installed, at `video_sizes`: forward and forward +
+   backward by CUDA events, TFLOP/s; the fastest (at the larger size) is the backend phase 3 runs, and the
+   one to make train.py's attention_backend on that GPU.
+3. update: a full fine-tune's micro-step under FSDP2 at world 1 with `blocks` and 2x`blocks` blocks
+   (anchor forward, forward, backward, clip, Muon + AdamW, timed apart), slopes to 54 blocks on a rank of
+   8, MFU from bench.fullsize's FLOP table; with velocity()'s bf16 autocast and without.
+4. reward: VideoAlign (Qwen2-VL-2B at its real depth) scoring four clips, the VAE at its released widths
+   decoding one clip of each size: time, allocated and reserved peaks.
+5. smoke: train.py with the tests' tiny models under torchrun (1 GPU, NCCL; on a CPU 2 ranks, gloo):
+   one iteration, a resume that trains one more and exports; the export loaded by diffusers.
+Tested by: python -m pytest -m slow tests/test_gpu_check.py (the CPU path)
 """
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import time
 
-from infra.configurator import configure
+from infra.configurator import configure, list_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- settings
-device = 'cuda'                 # 'cuda' (one GPU) or 'cpu' (the check of this script)
-weights_dir = 'weights'         # real weights, if present, in the layout train.py's defaults name
-blocks = None                   # blocks of the random transformer (None: 54 on cuda, 1 on cpu)
-num_frames = 9                  # the video of the check: 9 frames at 64x112 -> latents 32 x 3 x 4 x 7
-height = 64
-width = 112
-num_steps = 2                   # sampler steps (both trained)
-fullsize = True                 # run bench.fullsize_gpu first (the stand-in measurement)
-time_attention = True           # run bench.attention --gpu (the blocks' attention timed per backend)
-cache_dir = '/tmp/sage-rehearsal/models'  # the random models (bench/rehearsal.py builds them)
-work_dir = '/tmp/sage-gpu-check'  # train.py's out_dir and sample.py's output (wiped at the start)
-out = 'results/gpu_check'       # writes out.md and out.json
-phase_timeout = 300             # seconds: a GPU phase that runs longer is killed (10 minutes in all)
-tiny = False                    # --tiny: tests/tiny_*.py's models instead (a check of this script on a CPU)
-config = configure(globals(), [a + '=True' if a == '--tiny' else a for a in sys.argv[1:]])
+device = 'cuda'                 # 'cuda' (one GPU) or 'cpu' (the same phases at the tests' tiny sizes)
+out = '/tmp/sage-gpu-check/out'  # the phases' json files and gpu_check.log (the device tool: $OUT)
+work_dir = '/tmp/sage-gpu-check/work'  # logs, tokenizers, the smoke run's models and out_dir (wiped at the start)
+phases = 'env,drift,attention,update,reward,smoke'  # the phases to run (a comma list of their names)
+deadline = 540.0                # seconds for all phases (the device's 10-minute command, less the install)
+phase_timeout = 150.0           # seconds: no phase runs longer (each has its share below, BUDGET)
+blocks = None                   # K of phase 3: K and 2K blocks (None: 4 on a GPU, 1 on a CPU)
+num_frames = 81                 # the clip of phases 1 and 3 (train.py's rollout size; a CPU: 9x64x96)
+height = 352
+width = 624
+video_sizes = ((81, 352, 624), (81, 480, 848))  # phases 2 and 4: the paper's rollout size, the model's 480p
+steps = (19, 18, 17, 10, 0)     # phase 1's steps of the 20 (the late ones, of small std, first)
+rollout_batch = 4               # clips of the rollout forward (train.py's default)
+cfg = 6.0                       # classifier-free guidance of the forwards (train.py's default)
+clip_range = 1e-4               # the PPO clip the drift is compared with (train.py's default)
+report = ''                     # a folder of a GPU run's json files: write results/gpu.md from it, run nothing
+config = configure(globals(), rules=dict(
+    steps=((lambda v: len(v) > 0 and all(0 <= k < 20 for k in v)), 'steps of the 20, each in 0..19'),
+    phases=list_of('env', 'drift', 'attention', 'update', 'reward', 'smoke')))
 # -----------------------------------------------------------------------------
-
-# runs a script as `python script args` would, then prints its process's CUDA peak (0 on a CPU)
-PEAK = ("import atexit, runpy, sys, torch\n"
-        "atexit.register(lambda: print('PEAK_CUDA_BYTES', torch.cuda.max_memory_allocated() "
-        "if torch.cuda.is_available() else 0, flush=True))\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+NAMES = ('env', 'drift', 'attention', 'update', 'reward', 'smoke')
+FILES = {n: f'{i}_{n}.json' for i, n in enumerate(NAMES)}
+BUDGET = dict(env=30, drift=150, attention=60, update=110, reward=80, smoke=110)  # seconds on a GPU (540)
+BUDGET_CPU = dict(env=30, drift=60, attention=40, update=60, reward=60, smoke=150)  # on 2 shared cores
 
 
-def cuda_peak(log):
+def fmt(x, spec='.2g'):
+    return '-' if x is None else format(x, spec)
+
+
+def summary(name, r):
+    """The phase's figures in one line."""
+    if name == 'env':
+        v, g = r['versions'], r.get('gpu', {})
+        return (f"{g.get('name', 'cpu')}, torch {v['torch']}, CUDA {v['cuda']}, diffusers {v['diffusers']}, "
+                f"transformers {v['transformers']}; {r['matmul']['dtype'][6:]} matmul {r['matmul']['tflops']} TFLOP/s; "
+                f"SDPA kernel: {'; '.join(r['sdpa']['kernels'])[:120]}")
+    if name == 'drift':
+        rows = ', '.join(f"step {s['step']} (std {s['std']}): |d logp| {fmt(s['max_abs_dlogp'])} |dv|/|v| "
+                         f"{fmt(s['max_rel_dv'])} beyond clip {s['frac_beyond_clip']:.2f}" for s in r['steps'])
+        s = r['steps'][-1]
+        return f"{r['params_b']}B, {rows}; rollout forward {s['rollout_s']} s, peak {s['rollout_peak_gib']} GiB"
+    if name == 'attention':
+        ran = [f"{x['size']} {x['backend']} {x['fwd_bwd_ms']:.1f} ms ({x['fwd_bwd_tflops']} TFLOP/s)"
+               for x in r['rows'] if 'fwd_bwd_ms' in x]
+        return f"fwd+bwd: {'; '.join(ran)}; fastest {r.get('fastest')}"
+    if name == 'update':
+        parts = []
+        for k, e in r['at_54_blocks_8_ranks'].items():
+            parts.append(f"{k}: " + ', '.join(f"{p} {e[p]['s']} s" for p in ('anchor forward', 'forward', 'backward',
+                                                                              'clip', 'muon'))
+                         + f", micro-step {e['micro_step_s']} s, MFU {fmt(e['mfu'])}")
+        errors = [f"{x['blocks']} blocks autocast {x['autocast']}: {x['error']}" for x in r['runs'] if 'error' in x]
+        return f"at 54 blocks, a rank of 8: {'; '.join(parts) or 'none'}" + ''.join(f'; {e}' for e in errors)
+    if name == 'reward':
+        va = r['videoalign'].get('second', {})
+        d = ', '.join(f"{x['clip']} {x['s']} s peak {x['peak_gib']}/{x['reserved_gib']} GiB"
+                      for x in r.get('vae', {}).get('decode', []))
+        return (f"VideoAlign {r['videoalign']['params_b']}B, 4 clips {va.get('s')} s peak {va.get('peak_gib')}/"
+                f"{va.get('reserved_gib')} GiB (allocated/reserved); VAE decode {d or '-'}")
+    if name == 'smoke':
+        runs = ', '.join(f"{x['name']} {x['s']} s" for x in r['runs'])
+        it = r.get('iterations', [{}])[-1]
+        return (f"train.py on {r['ranks']} rank(s) ({r['backend']}): {runs}; ratio_max {fmt(it.get('ratio_max'))}; "
+                f"export loaded: {r.get('export', {}).get('loaded', False)}")
+    return ''
+
+
+def one_line(name, rec):
+    """summary() of a finished phase; of a failed one its error, then what its partial record holds."""
+    try:
+        line = summary(name, rec)
+    except (KeyError, IndexError, TypeError, ValueError) as e:  # a partial record
+        line = f'(partial record: no {e})'
+    return line if rec.get('status') == 'ok' else f"{rec.get('error', '')} | {line}"
+
+
+def run_phase(i, name, limit, cfg_json):
+    """One phase in its own process group (torchrun's workers too), killed whole at its limit."""
+    path, log = os.path.join(out, FILES[name]), os.path.join(work_dir, f'{name}.log')
+    t0 = time.time()
+    with open(log, 'w') as f:
+        p = subprocess.Popen([sys.executable, '-m', 'bench.gpu_phases', name, cfg_json], stdout=f, cwd=ROOT,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # the group this call started: the phase and its children
+            rc = p.wait()
+    rec = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            rec = json.load(f)
+    timed_out = time.time() - t0 >= limit and rc != 0
+    status = 'ok' if rc == 0 else 'timeout' if timed_out else 'failed'
+    rec.update(phase=name, status=status, rc=rc, seconds=round(time.time() - t0, 1), limit_s=round(limit))
     with open(log) as f:
-        hits = [l.split()[1] for l in f if l.startswith('PEAK_CUDA_BYTES')]
-    return round(int(hits[-1]) / 2 ** 30, 2) if hits else None
+        tail = f.read().splitlines()[-60:]
+    if status != 'ok':
+        rec['error'] = next((l for l in reversed(tail) if 'Error' in l or 'error' in l), tail[-1] if tail else '')[:300]
+    with open(path, 'w') as f:
+        json.dump(rec, f, indent=1)
+    with open(os.path.join(out, 'gpu_check.log'), 'a') as f:
+        f.write(f'===== {i}_{name}: {status}, exit {rc}, {rec["seconds"]} s\n' + '\n'.join(tail) + '\n')
+    line = one_line(name, rec)
+    print(f'{i} {name}: {status} in {rec["seconds"]:.0f} s of {limit:.0f} | {line}', flush=True)
+    return rec
 
 
 def main():
-    import shutil
-
-    from bench import rehearsal as R
-    py, cuda = sys.executable, device != 'cpu'
-    n_blocks = blocks or (54 if cuda else 1)
+    cuda = device == 'cuda'
     shutil.rmtree(work_dir, ignore_errors=True)
     os.makedirs(work_dir)
-    w = lambda *p: os.path.join(weights_dir, *p)
-    real = all(os.path.isdir(p) for p in (w('HunyuanVideo-1.5-480p_t2v', 'transformer'), w('VideoReward'),
-                                           w('Qwen2-VL-2B-Instruct'), w('clip-vit-large-patch14'), w('PickScore_v1')))
-    res = dict(device=device, real_weights=real, blocks=None if real else n_blocks, phases=[], config=config)
-    if cuda:
-        import torch
-        res['gpu'] = torch.cuda.get_device_name(0)
-
-    def phase(name, cmd, script=False):
-        cmd = [py, '-c', PEAK] + cmd if script else cmd
-        r = R.run_phase(name, cmd, os.path.join(work_dir, 'logs'), timeout=phase_timeout if cuda else None)
-        r.update(cmd=R.short(([py] + cmd[3:]) if script else cmd), cuda_peak_gb=cuda_peak(r['log']))
-        res['phases'].append(r)
-        print(f'[{name}] peak CUDA memory allocated: {r["cuda_peak_gb"]} GiB', flush=True)
-        if r['rc'] != 0:
-            res['failed'] = name
-            write(res)
-            raise SystemExit(f'{name} failed (exit {r["rc"]}): {r["log"]}')
-
-    if fullsize and not tiny:
-        phase('fullsize', [py, '-m', 'bench.fullsize_gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
-    if time_attention and not tiny:
-        phase('attention', [py, '-m', 'bench.attention', '--gpu', f'--device={device}'] + ([] if cuda else ['--tiny']))
-    if real:
-        d = dict(hunyuan=w('HunyuanVideo-1.5-480p_t2v'), videoalign=w('VideoReward'), qwen=w('Qwen2-VL-2B-Instruct'),
-                 clip=w('clip-vit-large-patch14'), pickscore=w('PickScore_v1'))
-    elif tiny:  # the size dicts of the tests, through the rehearsal's build (seconds)
-        import tiny_clip
-        import tiny_hunyuan
-        import tiny_videoalign
-        d = R.build(os.path.join(work_dir, 'tiny'), 2, (tiny_hunyuan.TINY, tiny_videoalign.TINY,
-                                                          {k: tiny_clip.TINY for k in R.CLIP}))
-        res['blocks'] = 'tiny'
-    else:
-        phase('build', [py, '-m', 'bench.rehearsal', '--build_only', f'--blocks={n_blocks}', f'--cache_dir={cache_dir}'])
-        d = R.dirs(cache_dir, n_blocks)
-    prompts = os.path.join(work_dir, 'prompts.txt')
-    with open(prompts, 'w') as f:
-        f.write('\n'.join(R.PROMPTS['eval']) + '\n')  # 1000 Qwen + 256 ByT5 tokens each
-    run_dir = os.path.join(work_dir, 'out')
-    common = ['config/lora_1gpu.py', f'--model={d["hunyuan"]}', f'--videoalign_dir={d["videoalign"]}',
-              f'--qwen_dir={d["qwen"]}', '--eval_metrics=clipscore,pickscore', f'--clip_dir={d["clip"]}',
-              f'--pickscore_dir={d["pickscore"]}', f'--train_prompts={prompts}', f'--eval_prompts={prompts}',
-              f'--out_dir={run_dir}', f'--device={device}', f'--num_frames={num_frames}', f'--height={height}',
-              f'--width={width}', '--fps=8', f'--num_steps={num_steps}', '--prompts_per_iter=1', '--group_size=2',
-              '--eval_every=0', '--save_every=1', '--diag_every=0', '--eval_videos=1', '--max_iters=1']
-    phase('train', ['train.py'] + common + ['--export_dtype='], script=True)
-    phase('resume', ['train.py'] + common + ['--init_from=resume'], script=True)
-    aligned = R.aligned_dir(d['hunyuan'], os.path.join(run_dir, 'export'), os.path.join(work_dir, 'aligned'))
-    sample_dir = os.path.join(work_dir, 'samples')
-    phase('sample', ['sample.py', f'--model={aligned}', '--checkpoint=', f'--prompts={prompts}', '--num_prompts=2',
-                     f'--num_steps={num_steps}', f'--num_frames={num_frames}', f'--height={height}', f'--width={width}',
-                     '--fps=8', f'--device={device}', f'--out_dir={sample_dir}', f'--videoalign_dir={d["videoalign"]}',
-                     f'--qwen_dir={d["qwen"]}', '--eval_metrics=clipscore,pickscore', f'--clip_dir={d["clip"]}',
-                     f'--pickscore_dir={d["pickscore"]}'], script=True)
-    (row,) = [r for r in R.metrics_rows(run_dir) if 'reward' in r]
-    res['first_update'] = dict(ratio_max=row.get('ratio_max'), clipfrac=row['clipfrac'], clip_range=1e-4,
-                               train_peak_mem_gb=row['peak_mem_gb'], t_rollout=row['t_rollout'],
-                               t_reward=row['t_reward'], t_update=row['t_update'])
-    print(f"first update: max |ratio - 1| = {row.get('ratio_max')} against the clip 1e-4; clipped fraction "
-          f"{row['clipfrac']}", flush=True)
-    with open(os.path.join(sample_dir, 'metrics.json')) as f:
-        res['sample_metrics'] = json.load(f)
-    write(res)
+    os.makedirs(out, exist_ok=True)
+    for f in list(FILES.values()) + ['gpu_check.log']:  # this run's files only
+        if os.path.exists(os.path.join(out, f)):
+            os.remove(os.path.join(out, f))
+    c = dict(config, blocks=blocks or (4 if cuda else 1), files=FILES, out=os.path.abspath(out),
+             work_dir=os.path.abspath(work_dir), steps=list(steps))
+    t0, budget = time.time(), BUDGET if cuda else BUDGET_CPU
+    for i, name in enumerate(NAMES):
+        if name not in [p.strip() for p in phases.split(',')]:
+            continue
+        limit = min(budget[name], phase_timeout, deadline - (time.time() - t0))
+        if limit < 2:  # no time left: the phase's json says so
+            with open(os.path.join(out, FILES[name]), 'w') as f:
+                json.dump(dict(phase=name, status='skipped', error='the deadline left no time'), f)
+            print(f'{i} {name}: skipped | the deadline left no time', flush=True)
+            continue
+        rec = run_phase(i, name, limit, json.dumps(c))
+        if name == 'attention' and rec.get('fastest'):
+            c['backend'] = rec['fastest']  # phase 3 runs it (phase 5: train.py's own default)
+    print(f'gpu_check: {time.time() - t0:.0f} s; files in {out}', flush=True)
 
 
-def write(res):
-    models = 'Real weights' if res['real_weights'] else "The tests' tiny random models" if res['blocks'] == 'tiny' \
-        else f'Random models at real width, {res["blocks"]} block(s)'
-    md = ['# GPU check: the program itself on one device', '',
-          f'Written by `python -m bench.gpu_check --device={res["device"]}{" --tiny" if res["blocks"] == "tiny" else ""}` '
-          '(bench/gpu_check.py). '
-          f'{models}{", " + res["gpu"] if res.get("gpu") else ""}.', '',
-          '| phase | command | exit | wall s | peak CUDA GiB | peak RSS GB (tree) | largest process GB |', '|---|---|---|---|---|---|---|']
-    for p in res['phases']:
-        md.append(f'| {p["name"]} | `{p["cmd"]}` | {p["rc"]} | {p["seconds"]} | {p["cuda_peak_gb"]} | {p["peak_rss_gb"]} | {p["peak_proc_gb"]} |')
-    if 'first_update' in res:
-        md += ['', 'First update: ' + ', '.join(f'{k} {v}' for k, v in res['first_update'].items()), '']
-    if res.get('failed'):
-        md += ['', f'**Failed at {res["failed"]}**: see its log.', '']
-    with open(out + '.md', 'w') as f:
-        f.write('\n'.join(md) + '\n')
-    with open(out + '.json', 'w') as f:
-        json.dump(res, f, indent=1)
-    print(f'wrote {out}.md and {out}.json')
+def write_report(folder, dest='results/gpu.md'):
+    """results/gpu.md from a run's json files: each phase's summary line, then its record."""
+    recs = {}
+    for name in NAMES:
+        path = os.path.join(folder, FILES[name])
+        if os.path.exists(path):
+            with open(path) as f:
+                recs[name] = json.load(f)
+    env = recs.get('env', {})
+    md = ['# GPU check', '', f"Written by `python -m bench.gpu_check --report={folder}` from a run of "
+          f"`python -m bench.gpu_check` on {env.get('gpu', {}).get('name', env.get('device', '?'))} "
+          '(bench/gpu_check.py says what each phase measures).', '']
+    for i, name in enumerate(NAMES):
+        r = recs.get(name)
+        if r is None:
+            md.append(f'- **{i} {name}**: not run')
+            continue
+        line = one_line(name, r)
+        md.append(f"- **{i} {name}** ({r.get('status')}, {r.get('seconds')} s): {line}")
+    md += ['', '```json', json.dumps(recs, indent=1)[:60000], '```', '']
+    with open(dest, 'w') as f:
+        f.write('\n'.join(md))
+    print(f'wrote {dest}')
 
 
 if __name__ == '__main__':
-    main()
+    write_report(report) if report else main()
