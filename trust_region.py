@@ -99,7 +99,9 @@ class Anchor:
 
         Run it BEFORE the policy's grad-tracking forward of the same micro-batch: the weights are
         swapped in place, and a swap between a forward and its backward corrupts autograd (the
-        version-counter check raises, and FSDP2's kept-gathered root would serve the anchor).
+        version-counter check raises, and FSDP2's kept-gathered root would serve the anchor). Inside
+        the body the anchor's own tensors hold the policy's weights (a swap, not a copy): nothing there
+        may read or refresh the anchor.
         """
         if not self.weights:
             raise RuntimeError(f'strategy {self.strategy!r} keeps no anchor')
