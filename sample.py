@@ -1,17 +1,22 @@
 """
-Render base vs aligned with this repository's samplers: videos, a contact sheet, a table of their scores.
+Render base vs aligned with this repository's samplers: videos, a contact sheet, a table of their
+scores.
 
-    python sample.py                                  # toy world: base vs out-toy's newest checkpoint
+    python sample.py                  # toy world: base vs out-toy's newest checkpoint
     python sample.py --prompts="a red circle moving left" --sampler=sage --eta=0.5
-    python sample.py --model=weights/HunyuanVideo-1.5-480p_t2v --checkpoint=out --device=cuda --prompts=prompts/eval.txt
-    python sample.py --model=weights/Wan2.1-T2V-1.3B --checkpoint=out-wan --device=cuda --prompts=prompts/eval.txt
+    python sample.py --model=weights/HunyuanVideo-1.5-480p_t2v --checkpoint=out --device=cuda \
+        --prompts=prompts/eval.txt
+    python sample.py --model=weights/Wan2.1-T2V-1.3B --checkpoint=out-wan --device=cuda \
+        --prompts=prompts/eval.txt
 
-Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16 held-out
-prompts x 2 seeds, as train.py evaluates them but other seeds; or the model family's DEFAULTS).
-Writes out_dir/<name>_<i>.mp4 (base, aligned; clip i: prompt i % P), contact_sheet.png (per prompt,
-first seed: its text, then a row of frames per model) and metrics.json: scores (the toy's exact reward
-and manifold distance, or VideoAlign's; --eval_metrics adds CLIPScore, PickScore), mean over the clips,
-printed above train.py's held-out evaluation (its metrics.jsonl; iteration 0: the base) and what changed.
+Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16
+held-out prompts x 2 seeds, as train.py evaluates them but other seeds; or the model family's
+DEFAULTS). Writes out_dir/<name>_<i>.mp4 (base, aligned; clip i: prompt i % P), contact_sheet.png
+(per prompt, first seed: its text, then a row of frames per model) and metrics.json: scores (the
+toy's exact reward and manifold distance, or VideoAlign's; --eval_metrics adds CLIPScore,
+PickScore), mean over the clips, printed above train.py's held-out evaluation (its metrics.jsonl;
+iteration 0: the base) and what got better and worse, each watcher judged by the way the alarm
+calls wrong (models/evaluate.py WRONG).
 """
 import json
 import os
@@ -24,56 +29,61 @@ from extras import metrics
 from infra import checkpoint as checkpoint_lib
 from infra.configurator import configure, list_of, number, one_of, prompt_or_file
 from models import attention as attention_lib, family
-from models.evaluate import frame_stats
-from models.policy import batch_text, encode_prompts, generators, latent_shape, load_decoder, load_policy, noise, \
-    sample, save_mp4
+from models.evaluate import WRONG, frame_stats
+from models.policy import batch_text, encode_prompts, generators, latent_shape, load_decoder, \
+    load_policy, noise, sample, save_mp4
 from models.videoalign import load_videoalign
 
 # ----------------------------------------------------------------------------- settings
 model = 'assets/toy'            # the base model: a diffusers directory, or the toy world's
-checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint) or a ckpt_* dir; '' for none
+checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint), a ckpt_* dir; '' none
 prompts = 'assets/toy/eval_prompts.txt'  # one prompt, or a file with one prompt per line
-num_prompts = None              # prompts spread over the file (None: the toy's 16, every colour x direction; else 4)
+num_prompts = None              # prompts spread over the file (None: the toy's 16; else 4)
 samples = None                  # seeds per prompt, the sheet shows the first (None: toy 2, else 1)
 negative_prompt = ''            # unconditional branch of classifier-free guidance
-num_steps = None                # sampling steps (None: toy 10 as config/toy.py, HunyuanVideo 480p and Wan 50)
-shift = None                    # sigma-schedule shift (None: toy 3.0, HunyuanVideo 480p 5.0, Wan 3.0)
-cfg = None                      # classifier-free guidance scale (None: toy 1.0 as trained, HunyuanVideo 6.0, Wan 5.0)
+num_steps = None                # sampling steps (None: toy 10 as config/toy.py, real models 50)
+shift = None                    # schedule shift (None: toy 3.0, HunyuanVideo 480p 5.0, Wan 3.0)
+cfg = None                      # guidance (None: toy 1.0 as trained, HunyuanVideo 6.0, Wan 5.0)
 sampler = 'ode'                 # 'ode' | 'sage' | 'flow' | 'dance' | 'cps'
 eta = 0.0                       # SDE noise scale (ignored by 'ode')
-num_frames = None               # clip size (None: the model's: HunyuanVideo 1.5 480p 81 x 480 x 848, Wan
-height = None                   # 81 x 480 x 832; the toy's is fixed)
+num_frames = None               # clip size (None: the model's: HunyuanVideo 1.5 480p 81 x 480 x
+height = None                   # 848, Wan 81 x 480 x 832; the toy's is fixed)
 width = None
-fps = None                      # frame rate written to the mp4 files (None: toy 8, HunyuanVideo 24, Wan 16)
+fps = None                      # frame rate of the mp4 files (None: toy 8, HunyuanVideo 24, Wan 16)
 seed = 0                        # the same seeds for every model: differences are the model's
 device = 'cpu'
-attention = 'valid_tokens'      # blocks' attention: padding left out, no mask (models/attention.py); 'masked_keys', 'diffusers'
-attention_backend = 'native'    # diffusers' attention backend: 'native' (torch SDPA), '_native_flash', 'flash', ...
+attention = 'valid_tokens'      # padding left out (models/attention.py); 'masked_keys', 'diffusers'
+attention_backend = 'native'    # diffusers' backend: 'native' (SDPA), '_native_flash', 'flash', ...
 out_dir = 'samples'
-metrics_table = True            # print base vs aligned scores: the model's own reward (the toy's), or VideoAlign's
+metrics_table = True            # base vs aligned scores: the model's own reward (toy's), VideoAlign
 videoalign_dir = 'weights/VideoReward'        # (real model) VideoAlign, as in train.py
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
-eval_metrics = ''               # visual metrics in the table too: 'clipscore,pickscore' (extras/metrics.py)
-clip_dir = 'weights/clip-vit-large-patch14'   # hf download openai/clip-vit-large-patch14 --local-dir ...
-pickscore_dir = 'weights/PickScore_v1'        # hf download yuvalkirstain/PickScore_v1 --local-dir ...
-config = configure(globals(), rules={**dict(  # configurator.RULES, and what differs here: ODE sampling, eta 0
-    sampler=one_of(*sde.KINDS), eta=number(0), prompts=(prompt_or_file, 'a prompt, or a .txt/.csv file of prompts'),
+eval_metrics = ''               # visual metrics too: 'clipscore,pickscore' (extras/metrics.py)
+clip_dir = 'weights/clip-vit-large-patch14'  # hf download openai/clip-vit-large-patch14
+pickscore_dir = 'weights/PickScore_v1'       # hf download yuvalkirstain/PickScore_v1
+# configurator.RULES, and what differs here: ODE sampling, eta 0
+config = configure(globals(), rules={**dict(
+    sampler=one_of(*sde.KINDS), eta=number(0),
+    prompts=(prompt_or_file, 'a prompt, or a .txt/.csv file of prompts'),
     eval_metrics=list_of(*metrics.NAMES)), **attention_lib.RULES})
 # -----------------------------------------------------------------------------
 # the model family's own defaults for what was left at None (the toy's as config/toy.py trains it)
 fam = family(model)
 defaults = dict(num_steps=fam.DEFAULTS['sample_steps'], num_prompts=fam.DEFAULTS['sample_prompts'],
                 samples=fam.DEFAULTS['sample_seeds'],
-                **{k: fam.DEFAULTS[k] for k in ('shift', 'cfg', 'fps', 'num_frames', 'height', 'width')})
+                **{k: fam.DEFAULTS[k] for k in ('shift', 'cfg', 'fps', 'num_frames', 'height',
+                                                'width')})
 for k, v in defaults.items():
     if globals()[k] is None:
         globals()[k] = config[k] = v
 
-lines = [l.strip() for l in open(prompts).read().splitlines() if l.strip()] if os.path.isfile(prompts) else [prompts]
-prompt_list = [lines[i * len(lines) // num_prompts] for i in range(min(num_prompts, len(lines)))]  # spread evenly
+lines = [l.strip() for l in open(prompts).read().splitlines() if l.strip()] \
+    if os.path.isfile(prompts) else [prompts]
+# spread evenly over the file
+prompt_list = [lines[i * len(lines) // num_prompts] for i in range(min(num_prompts, len(lines)))]
 if not prompt_list or not prompt_list[0]:
     raise SystemExit(f'no prompts in {prompts!r}')
-clip_prompts = prompt_list * samples  # clip i: prompt i % P, seed seed * 1000 + i; the first P are seed 0
+clip_prompts = prompt_list * samples  # clip i: prompt i % P, seed seed * 1000 + i (first P: seed 0)
 os.makedirs(out_dir, exist_ok=True)
 models = [('base', None)]
 if checkpoint and os.path.isdir(checkpoint):
@@ -81,23 +91,26 @@ if checkpoint and os.path.isdir(checkpoint):
 elif checkpoint and checkpoint != 'out-toy':
     raise SystemExit(f'checkpoint {checkpoint!r} not found')
 else:
-    print(f'no checkpoint at {checkpoint!r} yet (python train.py config/toy.py writes one): base model only')
+    print(f'no checkpoint at {checkpoint!r} yet (python train.py config/toy.py writes one): '
+          'base model only')
 
 cache = encode_prompts(model, prompt_list + [negative_prompt], device)
-text, text_neg = (batch_text(cache, ps, device) for ps in (clip_prompts, [negative_prompt] * len(clip_prompts)))
+text, text_neg = (batch_text(cache, ps, device)
+                   for ps in (clip_prompts, [negative_prompt] * len(clip_prompts)))
 decode = load_decoder(model, device)
 shape = latent_shape(model, num_frames, height, width)
 sigmas = sde.sigmas(num_steps, shift)
 rows = []
 for name, ckpt in models:
-    trained = checkpoint_lib.read_loop(ckpt)['config'] if ckpt else {}  # the run's: its weights' layout
+    trained = checkpoint_lib.read_loop(ckpt)['config'] if ckpt else {}  # the run's weights' layout
     policy = load_policy(model, device, lora_rank=trained.get('lora_rank', 0), attention=attention,
                          backend=attention_backend, experts=trained.get('experts', 'both'))
     if ckpt:  # the trained weights of a sharded (DCP) checkpoint, read into one plain model
         checkpoint_lib.load_weights(ckpt, policy)
     policy.eval()
     gens = generators([seed * 1000 + i for i in range(len(clip_prompts))])
-    x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, sampler, eta, gens)
+    x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, sampler, eta,
+                  gens)
     frames = decode(x)                                         # (B, F, 3, H, W) in [0, 1]
     for i, clip in enumerate(frames):
         save_mp4(clip, os.path.join(out_dir, f'{name}_{i}.mp4'), fps)
@@ -105,11 +118,13 @@ for name, ckpt in models:
     print(f'{name}: {len(clip_prompts)} videos in {out_dir}/ ({ckpt or model})')
     del policy
 
-# contact sheet: per prompt (its first seed) a title line, then a row of frames per model (base above
-# aligned) named at the left; 2-pixel gaps; small frames (the toy's 24x24) enlarged by an integer factor
+# contact sheet: per prompt (its first seed) a title line, then a row of frames per model (base
+# above aligned) named at the left; 2-pixel gaps; small frames (the toy's 24x24) enlarged by an
+# integer factor
 zoom = max(1, 96 // rows[0].shape[-2])
 clips = rows  # (B, F, 3, H, W) per model, as decoded: the metrics table scores these
-rows = [f[:len(prompt_list)].repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]  # seed 0
+# seed 0 of each prompt
+rows = [f[:len(prompt_list)].repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]
 B, F, _, H, W = rows[0].shape
 gap, label_w, title_h = 2, 64, 14  # pixels: between frames, the row-name column, the prompt line
 block = title_h + len(rows) * (H + gap)  # one prompt
@@ -125,15 +140,18 @@ from PIL import Image, ImageDraw  # pillow comes with matplotlib and imageio
 img = Image.fromarray(png)
 draw = ImageDraw.Draw(img)
 for i, p in enumerate(prompt_list):
-    draw.text((2, i * block + 1), f'{i}: {p}'[:(label_w + F * (W + gap)) // 6], fill=(0, 0, 0))  # ~6 px a character
+    # ~6 px a character
+    draw.text((2, i * block + 1), f'{i}: {p}'[:(label_w + F * (W + gap)) // 6], fill=(0, 0, 0))
     for m, (name, _) in enumerate(models):
         draw.text((2, i * block + title_h + m * (H + gap) + H // 2 - 5), name, fill=(0, 0, 0))
 img.save(os.path.join(out_dir, 'contact_sheet.png'))
-print(f'contact sheet: {out_dir}/contact_sheet.png (per prompt: its text, then {" above ".join(n for n, _ in models)})')
+print(f'contact sheet: {out_dir}/contact_sheet.png '
+      f'(per prompt: its text, then {" above ".join(n for n, _ in models)})')
 
 # ----------------------------------------------------------------------------- metrics table
 # the clips above scored by the reward (the model's own exact one, the toy's; or VideoAlign) and the
-# visual metrics, base vs aligned: the first look at reward hacking (a reward that rises while CLIPScore falls)
+# visual metrics, base vs aligned: the first look at reward hacking (a reward that rises while
+# CLIPScore falls)
 if metrics_table:
     try:
         if hasattr(fam, 'reward'):
@@ -150,29 +168,41 @@ if metrics_table:
         sc['composite'] = combine(sc, SETTING_B)  # (0.5, 0.5, 1) x (VQ, MQ, TA), train.py's default
         if manifold_distance is not None:
             sc['manifold'] = manifold_distance(frames)
-        sc.update({k: fn(frames, clip_prompts) for k, fn in visual.items()})  # per-frame mean, (B,) each
+        sc.update({k: fn(frames, clip_prompts) for k, fn in visual.items()})  # (B,): frame means
         sc.update(frame_stats(frames))  # the alarm's weight-free watchers (models/evaluate.py)
-        table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}  # over clips
-        composite[name] = torch.as_tensor(sc['composite']).float()  # (B,) per clip, for the spread below
+        # the mean over the clips; and the composite per clip (B,), for the spread below
+        table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}
+        composite[name] = torch.as_tensor(sc['composite']).float()
     if table:
         keys = list(table['base'])
         line = lambda label, get: print(f'{label:<10}' + ''.join(f'{get(k):>10.4f}' for k in keys))
-        print(f'metrics, mean over {len(prompt_list)} prompts x {samples} seeds:\n' + ''.join(f'{k:>10}' for k in [''] + keys))
+        print(f'metrics, mean over {len(prompt_list)} prompts x {samples} seeds:\n'
+              + ''.join(f'{k:>10}' for k in [''] + keys))
         for name, row in table.items():
             line(name, row.get)
         with open(os.path.join(out_dir, 'metrics.json'), 'w') as f:
             json.dump(table, f, indent=1)
-        ckpt = models[-1][1]  # below: train.py's evaluations in its out_dir, the first (the base) and the checkpoint's
+        # below: train.py's evaluations in its out_dir, the first (the base) and the checkpoint's
+        ckpt = models[-1][1]
         log = os.path.join(os.path.dirname(ckpt or '.'), 'metrics.jsonl')
-        evals = [r for r in map(json.loads, open(log).read().splitlines()) if 'eval_composite' in r and
-                 r['iter'] <= checkpoint_lib.read_loop(ckpt)['iter_num']] if ckpt and os.path.isfile(log) else []
+        last = checkpoint_lib.read_loop(ckpt)['iter_num'] if ckpt else None
+        evals = [r for r in map(json.loads, open(log).read().splitlines())
+                 if 'eval_composite' in r and r['iter'] <= last] \
+            if ckpt and os.path.isfile(log) else []
         if len(evals) > 1:
             print(f"train.py's held-out evaluation ({log}):")
             for r in (evals[0], evals[-1]):
                 line(f'iter {r["iter"]}', lambda k: r.get('eval_' + k, float('nan')))
-        if 'aligned' in table:  # manifold distance: lower is better; every other metric: higher
+        if 'aligned' in table:
+            # each metric judged as the alarm judges it (models/evaluate.py WRONG: -1 falling is
+            # wrong, a score's default; +1 rising, the manifold distance's; 0 either way, say
+            # brightness): wrong > 0 moved its wrong way, < 0 its right way; a two-way one is never
+            # better
             d = {k: table['aligned'][k] - table['base'][k] for k in keys}
-            on = lambda worse: ', '.join(f'{k} {d[k]:+.4f}' for k in keys if ((d[k] > 0) == (k == 'manifold')) == worse)
-            se = (composite['aligned'] - composite['base']).std().item() / len(clip_prompts) ** 0.5  # paired clips
-            print(f'aligned vs base: better on {on(False) or "nothing"}; worse on {on(True) or "nothing"}; '
-                  f'the composite\'s standard error over these {len(clip_prompts)} paired clips: {se:.4f}')
+            wrong = {k: d[k] * WRONG.get(k, -1) if WRONG.get(k, -1) else abs(d[k]) for k in keys}
+            on = lambda sign: ', '.join(f'{k} {d[k]:+.4f}' for k in keys if wrong[k] * sign > 0)
+            # the composite's spread over the clips, paired (same prompt and seed) base vs aligned
+            se = (composite['aligned'] - composite['base']).std().item() / len(clip_prompts) ** 0.5
+            print(f'aligned vs base: better on {on(-1) or "nothing"}; '
+                  f'worse on {on(+1) or "nothing"}; the composite\'s standard error over these '
+                  f'{len(clip_prompts)} paired clips: {se:.4f}')

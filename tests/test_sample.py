@@ -66,3 +66,34 @@ def test_sample_writes_videos_and_contact_sheet(tmp_path, monkeypatch):
     said = run_here(monkeypatch, ['sample.py', '--checkpoint=', f'--out_dir={tmp_path / "s2"}', '--num_prompts=1',
                                   '--num_steps=2', '--eval_metrics=pickscore', '--pickscore_dir=/nonexistent/pick'])
     assert 'no metrics table' in said and 'hf download yuvalkirstain/PickScore_v1 --local-dir /nonexistent/pick' in said
+
+
+def test_better_and_worse_judge_each_watcher_by_its_wrong_way(tmp_path, monkeypatch):
+    # the alarm's declaration (models/evaluate.py WRONG): brightness and saturation go wrong moving either
+    # way, dark and flicker rising, edges and entropy falling, every score falling. Frame statistics planted
+    # here: aligned vs base, saturation +0.08 (wrong: it moved), edges up and dark down (their right ways),
+    # entropy down and flicker up (their wrong ways), brightness unchanged (neither)
+    import torch
+    from models import evaluate
+    ckpt = str(tmp_path / 'ck')
+    run_here(monkeypatch, SMALL + [f'--out_dir={ckpt}', '--max_iters=1'])
+    planted = [dict(brightness=0.5, saturation=0.30, dark=0.20, edges=0.10, entropy=3.0, flicker=0.01),  # base
+               dict(brightness=0.5, saturation=0.38, dark=0.10, edges=0.20, entropy=2.5, flicker=0.02)]  # aligned
+    monkeypatch.setattr(evaluate, 'frame_stats', lambda frames: {k: torch.full((len(frames),), v)
+                                                                 for k, v in planted.pop(0).items()})
+    out = str(tmp_path / 'samples')
+    said = run_here(monkeypatch, ['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_prompts=2',
+                                  '--samples=1', '--num_steps=2'])
+    assert planted == []  # base, then aligned
+    summary = said.split('aligned vs base: better on ')[1]
+    names = lambda s: set() if s == 'nothing' else {item.split(' ')[0] for item in s.split(', ')}
+    better, worse = names(summary.split('; worse on ')[0]), names(summary.split('; worse on ')[1].split('; ')[0])
+    assert {'edges', 'dark'} <= better and {'saturation', 'entropy', 'flicker'} <= worse
+    assert 'brightness' not in better | worse
+    # the rest (the toy's scores, the composite, the manifold distance) by hand from the table: a score
+    # rising is better, the manifold distance falling
+    with open(os.path.join(out, 'metrics.json')) as f:
+        table = json.load(f)
+    for k in ('VQ', 'MQ', 'TA', 'composite', 'manifold'):
+        d = (table['aligned'][k] - table['base'][k]) * (-1 if k == 'manifold' else 1)
+        assert (k in better, k in worse) == (d > 0, d < 0), (k, d, better, worse)
