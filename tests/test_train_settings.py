@@ -1,0 +1,141 @@
+"""
+train.py's settings of the advantage, lambda_KL, the velocity-KL estimator and the reward-hacking alarm,
+each in this process (test_train.run_here) for one or a few toy iterations of 2 prompts, driven only by
+--key=value and read only from what the run leaves (metrics.jsonl, checkpoints, printed lines):
+- advantage='per_component' and 'taros' train other weights than 'grpo' from the same rollouts (a setting
+  that never reached the advantage would leave all three bitwise equal);
+- --kl_warmup and --kl_init reach the controller: lambda_KL logged at iterations 1, 2 is the warm-up's
+  closed form from kl_init (not kl_min, nor the default 100 steps);
+- kl_estimator='sample' pulls toward the rollout policy: with every advantage 0 (a constant reward) only
+  the KL terms train, the exact ones have no gradient at theta_old, and the sample estimate's one
+  optimizer step makes the rollout's own transitions more likely under the checkpoint's weights;
+- the alarm's state is in the checkpoint: a run resumed after iteration 2 still knows the base model's
+  evaluation and iteration 2's flags, so at iteration 3 it flags, trips on the watchers flagged at both and
+  pins ckpt_000002 (a reward that rises with each call makes the held-out composite rise); the run is at
+  Setting A, and every held-out composite logged is VQ + MQ + TA.
+hack_stop's checkpoint at the iteration it stops: tests/test_alarm.py. The same settings on 2 ranks
+against 1 process (torchrun): tests/test_train_ranks.py (slow tier).
+"""
+import os
+
+import pytest
+import torch
+
+from test_train import metrics, run_here, weights
+
+# 2 prompts x G=3 (a group of 2 members ranks the components in one order more often than not, which
+# makes per_component's advantage GRPO's), 4 sampler steps, 2 held-out prompts, no diagnostics or export
+ARGS = ['train.py', 'config/toy.py', '--prompts_per_iter=2', '--group_size=3', '--num_steps=4', '--rollout_batch=6',
+        '--train_batch=3', '--eval_every=0', '--eval_samples=1', '--eval_videos=0', '--save_every=0', '--diag_every=0',
+        '--export_dtype=']
+
+
+@pytest.fixture
+def args(tmp_path):
+    (tmp_path / 'eval.txt').write_text('a red circle moving left\na blue square moving up\n')
+    return ARGS + [f'--eval_prompts={tmp_path / "eval.txt"}']
+
+
+def test_advantage_kinds_change_what_is_trained(tmp_path, monkeypatch, args):
+    # one iteration each, the same rollouts and rewards (the same seed): only the advantage differs
+    w = {}
+    for kind in ('grpo', 'per_component', 'taros'):
+        out = str(tmp_path / kind)
+        run_here(monkeypatch, args + [f'--out_dir={out}', '--max_iters=1', f'--advantage={kind}'])
+        w[kind] = weights(out)
+    for a, b in (('grpo', 'per_component'), ('grpo', 'taros'), ('per_component', 'taros')):
+        assert w[a].keys() == w[b].keys()
+        assert any(not torch.equal(w[a][k], w[b][k]) for k in w[a]), (a, b)
+
+
+def test_kl_warmup_starts_at_kl_init_and_reaches_the_controller(tmp_path, monkeypatch, args):
+    # kl_init 1e-6 above kl_min 1e-7, 4 warm-up steps to kl_max 1e-5, one optimizer step an iteration:
+    # lambda_KL after iteration k is 1e-6 + 9e-6 k / 4 (from kl_min: 3.3e-6 at k = 1; 100 steps: 1.09e-6)
+    out = str(tmp_path / 'warm')
+    run_here(monkeypatch, args + [f'--out_dir={out}', '--max_iters=2', '--kl_init=1e-6', '--kl_min=1e-7',
+                                  '--kl_max=1e-5', '--kl_warmup=4'])
+    lam = [r['lambda_kl'] for r in metrics(out) if 'reward' in r]
+    assert lam == pytest.approx([3.25e-6, 5.5e-6], rel=1e-9), lam
+
+
+def test_sample_kl_estimator_pulls_toward_the_rollout_policy(tmp_path, monkeypatch, args):
+    from models import policy as M
+    from models import toy
+    import sde
+    score = toy.reward
+
+    def constant(frames, prompts, fps=toy.FPS):  # equal rewards in every group: every advantage is 0
+        return {k: torch.full_like(v, 0.5) for k, v in score(frames, prompts, fps).items()}
+    rollouts, inner = [], M.sample
+
+    def recording(net, x, sigmas, text, cfg, text_neg, kind, eta, *a, keep=False, **kw):
+        out = inner(net, x, sigmas, text, cfg, text_neg, kind, eta, *a, keep=keep, **kw)
+        if keep:  # a rollout, not the held-out ODE samples
+            rollouts.append((sigmas, text, cfg, text_neg, kind, eta, out[1]))
+        return out
+    monkeypatch.setattr(toy, 'reward', constant)
+    monkeypatch.setattr(M, 'sample', recording)
+    lam = ['--kl_init=1.0', '--kl_min=1.0', '--kl_max=1.0', '--kl_warmup=0', '--weight_decay=0',
+           '--timestep_fraction=1.0', '--optimizer=adamw', '--learning_rate=1e-5']
+    moved = {}
+    for estimator in ('exact', 'sample'):
+        rollouts.clear()
+        out = str(tmp_path / estimator)
+        run_here(monkeypatch, args + [f'--out_dir={out}', '--max_iters=1', f'--kl_estimator={estimator}'] + lam)
+        moved[estimator] = weights(out)
+    base = M.load_policy(toy.DIR, 'cpu')
+    names = dict(base.named_parameters())
+    # exact KLs at theta_old (the anchor and the rollout policy are the policy): no gradient, nothing moves
+    assert all(torch.equal(t, names[k]) for k, t in moved['exact'].items())
+    assert any(not torch.equal(t, names[k]) for k, t in moved['sample'].items())
+
+    @torch.no_grad()
+    def logp(net):  # the mean log-density of every stochastic transition the rollouts made, under net
+        total, n = 0.0, 0
+        for sigmas, text, cfg, text_neg, kind, eta, rec in rollouts:
+            for t in range(len(sigmas) - 1):
+                x, x_next = rec['xs'][:, t], rec['xs'][:, t + 1]
+                s = sigmas[t].expand(len(x))
+                st = sde.step(x, M.velocity(net, x, s, text, cfg, text_neg), sigmas[t].item(),
+                              sigmas[t + 1].item(), kind, eta, x_next=x_next)
+                if st.logp is not None:
+                    total, n = total + st.logp.sum().item(), n + len(x)
+        return total / n
+    before = logp(base)
+    trained = M.load_policy(toy.DIR, 'cpu')
+    trained.load_state_dict(moved['sample'], strict=False)
+    after = logp(trained)
+    # pulled toward the rollout policy: its own samples more likely after the step (pushed away: less)
+    assert after > before, (before, after)
+
+
+def test_alarm_state_survives_a_resume_and_setting_a_is_evaluated_at_a(tmp_path, monkeypatch, args):
+    # an evaluation every iteration, alarm_z tiny (any move beyond 0 counts); 2 iterations, a checkpoint
+    # each, then the same command resumed to 3: iteration 3 still compares with the base model's
+    # evaluation (iteration 0) and remembers iteration 2's flags and evaluation. The toy's TA is raised by
+    # 1 at each call of the reward: the held-out composite rises at every evaluation (a few toy iterations
+    # of 2 prompts do not raise it), while every clip of a call shares the shift, so the advantages, and
+    # what is trained, are the toy's own
+    from models import toy
+    score, calls = toy.reward, []
+
+    def rising(frames, prompts, fps=toy.FPS):
+        calls.append(1)
+        sc = score(frames, prompts, fps)
+        return dict(sc, TA=sc['TA'] + len(calls))
+    monkeypatch.setattr(toy, 'reward', rising)
+    out = str(tmp_path / 'alarm')
+    run_args = args + [f'--out_dir={out}', '--eval_every=1', '--save_every=1', '--alarm_z=1e-9',
+                       '--reward_weights=(1.0, 1.0, 1.0)']
+    run_here(monkeypatch, run_args + ['--max_iters=2'])
+    said = run_here(monkeypatch, run_args + ['--max_iters=3', '--init_from=resume'])
+    evals = {r['iter']: r for r in metrics(out) if 'eval_composite' in r}
+    assert sorted(evals) == [0, 1, 2, 3]
+    for r in evals.values():  # Setting A: composite = VQ + MQ + TA (Setting B's 0.5 VQ + 0.5 MQ + TA: not)
+        assert r['eval_composite'] == pytest.approx(r['eval_VQ'] + r['eval_MQ'] + r['eval_TA'], rel=1e-6), r
+    flagged2, flagged3 = evals[2]['watch_flagged'], evals[3]['watch_flagged']
+    assert flagged3, 'the resumed run lost the base model: nothing flagged at iteration 3'
+    tripped = [k for k in flagged3 if k in flagged2]  # flagged at two evaluations in a row, by hand
+    assert tripped and evals[3]['alarm'] == tripped, (flagged2, flagged3, evals[3]['alarm'])
+    assert 'alarm: iteration 3: ' in said and 'ckpt_000002 is kept' in said
+    assert os.path.exists(os.path.join(out, 'ckpt_000002', 'pinned'))
