@@ -35,7 +35,16 @@ SMALL = ['train.py', 'config/toy.py', '--prompts_per_iter=2', '--group_size=2', 
          '--train_batch=2', '--eval_every=0', '--eval_samples=1', '--eval_videos=1', '--save_every=2', '--diag_every=1']
 
 
-def run(args, torchrun=False, check=True, timeout=300, env=None):
+def limit(seconds):
+    """A subprocess's time limit: `seconds` on an idle machine, times the load per core when it is busier
+    (on 2 cores shared with other jobs the same run takes that much longer: a fixed 300 s was hit by load
+    alone, indistinguishable from a hang). The larger of the 1- and 5-minute load averages: the first lags."""
+    return seconds * max(1.0, max(os.getloadavg()[:2]) / (os.cpu_count() or 1))
+
+
+def run(args, torchrun=False, check=True, timeout=None, env=None):
+    """args run as a process (torchrun: 2 ranks); timeout None: limit(300)."""
+    timeout = limit(300) if timeout is None else timeout
     env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false', **(env or {}))
     launcher = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] \
         if torchrun else [sys.executable]
@@ -169,15 +178,15 @@ def restarted(args, out, tmp):
                               '--max-restarts=3', str(tmp / 'late.py')] + args, cwd=ROOT, env=env,
                              stdout=f, stderr=subprocess.STDOUT)
     try:
-        latest, t0 = os.path.join(out, 'latest'), time.time()
+        latest, t0, most = os.path.join(out, 'latest'), time.time(), limit(300)
         while not (os.path.exists(latest) and open(latest).read() == 'ckpt_000001'):
-            assert p.poll() is None and time.time() - t0 < 300, 'ended or hung before ckpt_000001'
+            assert p.poll() is None and time.time() - t0 < most, 'ended or hung before ckpt_000001'
             time.sleep(0.05)
         workers = [int(c) for c in open(f'/proc/{p.pid}/task/{p.pid}/children').read().split()]  # torchrun's
         rank = {w: dict(kv.split(b'=', 1) for kv in open(f'/proc/{w}/environ', 'rb').read().split(b'\0')
                         if b'=' in kv).get(b'RANK') for w in workers}
         os.kill(next(w for w in workers if rank[w] == b'1'), signal.SIGKILL)
-        p.wait(timeout=300)
+        p.wait(timeout=limit(300))
     finally:
         if p.poll() is None:  # hung: torchrun SIGTERMs its workers, SIGKILLs them 30 s later
             p.terminate()
