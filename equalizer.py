@@ -47,6 +47,7 @@ def proxy(kind, sigmas, eta):
 
 # the median of an even count: numpy's (docs/method.md 3.3) | torch.median's (the released one)
 MEDIANS = ('mean_of_middle', 'lower')
+CHOICES = dict(median=MEDIANS)  # train.py's setting that picks one of these names
 
 
 def scales(kind, sigmas, eta, median='mean_of_middle', steps=None):

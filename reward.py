@@ -74,6 +74,8 @@ def group_advantages(r, clip=5.0, eps=1e-6):
 # 4.3), not a tuned or published value, so not settings
 TAROS_DEADZONE = 0.5   # a member's standardised component counts only beyond +-this (sparsity)
 TAROS_SATURATED = 0.5  # a component whose group spread is under this x the batch's: saturated
+ADVANTAGES = ('grpo', 'per_component', 'taros')  # 'grpo': the composite in its group (the paper)
+CHOICES = dict(advantage=ADVANTAGES)  # train.py's setting that picks one of these names
 
 
 def component_advantages(c, weights, kind, clip=5.0, eps=1e-6):

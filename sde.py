@@ -39,6 +39,7 @@ import torch
 
 KINDS = ('ode', 'dance', 'flow', 'sage', 'cps')  # sampler names
 TRAINABLE = KINDS[1:]  # the SDEs: an ODE step has no log-probability to train
+CHOICES = dict(sampler=TRAINABLE)  # train.py's settings that pick one of these names
 # sage: upper end of the noise integral, u/(1-u) diverging at u = 1. Fixed, not a setting: the
 # released code's clamp 3e-3, which the paper's figures were made with (docs/method.md 2.2)
 SAGE_CLAMP = 1 - 3e-3
@@ -91,6 +92,12 @@ def variance(kind, s, s_next, eta):
     else:  # cps
         var = (s_next * math.sin(eta * math.pi / 2)) ** 2
     return var.item() if is_float else var.to(dtype)
+
+
+def stochastic_steps(kind, sigmas, eta):
+    """The indices of the steps of schedule sigmas (N+1,) that have noise: the only ones trained."""
+    return [i for i in range(len(sigmas) - 1)
+            if variance(kind, float(sigmas[i]), float(sigmas[i + 1]), eta) > 0]
 
 
 def window(steps, size, seed):

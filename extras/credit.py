@@ -29,7 +29,11 @@ hand-computed latent tokens; interpolation, smoothing, normalisation)
 import torch
 import torch.nn.functional as F
 
+import reward
+import sde
+
 GRANULARITIES = ('window', 'frame')  # a weight per latent token, or one per latent frame
+CHOICES = dict(credit_granularity=GRANULARITIES)  # train.py's setting that picks one of these
 
 
 def geometry(num_frames, height, width, latent_shape):
@@ -104,3 +108,22 @@ def credit_map(g, latent_shape, seen=None, window=(1, 3, 3), granularity='window
     ok = torch.isfinite(total) & (total > 0)
     w = torch.where(ok.view(B, 1, 1, 1), m / torch.where(ok, total, 1.0).view(B, 1, 1, 1), 1.0)
     return w[:, None].contiguous()  # (B, 1, Fl, h, w)
+
+
+def score(reward_fn, frames, prompts, fps, weights, latent_shape, window, granularity):
+    """train.py's scores of decoded clips frames (B, F, 3, H, W) with credit='tvrl': reward_fn's, and
+    each clip's credit map (B, 1, F, h, w) from g = d composite / d frames. A reward that samples
+    frames (VideoAlign at 2 fps: its sample_fps) sees some of them: the others are interpolated."""
+    scores, g = reward.score_and_grad(reward_fn, frames, prompts, fps, weights)  # g (B, F, 3, H, W)
+    rate = getattr(reward_fn, 'sample_fps', None)
+    seen = reward.sample_indices(frames.shape[1], fps, rate) if rate else None
+    return dict(scores, credit=credit_map(g, latent_shape, seen, window, granularity))
+
+
+def reweight(clips, credit, steps):
+    """The rollout's log-probs of the trained steps in the credit-weighted mean (sde.log_prob), the
+    reduction the update computes them in: the ratio is 1 at theta_old. Returns credit."""
+    for t in steps:
+        clips['logps'][:, t] = sde.log_prob(clips['xs'][:, t + 1], clips['means'][:, t],
+                                            clips['stds'][:, t], credit)
+    return credit

@@ -35,7 +35,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from infra.configurator import list_of
+
 NAMES = ('clipscore', 'pickscore')  # the metrics this file knows
+RULES = dict(eval_metrics=list_of(*NAMES))  # train.py's setting: a comma list of them
 CLIPSCORE_W = 2.5  # CLIPScore's rescaling weight w (Hessel et al. 2021)
 FRAMES_PER_FORWARD = 64  # frames per image-tower forward (bounds activation memory)
 GET_CLIP = 'hf download openai/clip-vit-large-patch14 --local-dir {}'  # how to obtain clip_dir
@@ -148,3 +151,12 @@ def load_metrics(names, clip_dir, pickscore_dir, device='cpu', dtype=torch.float
     load = {'clipscore': lambda: load_clipscore(clip_dir, device, dtype),
             'pickscore': lambda: load_pickscore(pickscore_dir, device, dtype)}
     return {n: load[n]() for n in names}
+
+
+def load_watchers(names, clip_dir, pickscore_dir):
+    """train.py's watchers, on the CPU until an evaluation moves them (move): load_metrics, and a
+    failure to load them one line that says how to switch them off."""
+    try:
+        return load_metrics(names, clip_dir, pickscore_dir, 'cpu')
+    except (OSError, ValueError) as e:
+        raise SystemExit(f'eval_metrics: {e} (--eval_metrics= switches them off)')

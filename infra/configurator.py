@@ -112,7 +112,22 @@ RULES = dict(
     sp_clips=_CLIPS, lora_sizes=_CLIPS, video_sizes=_CLIPS,
     text_tokens=((lambda v: len(v) == 2 and all(n >= 1 for n in v)), '(Qwen, ByT5) token counts >= 1'),
     sp_sizes=((lambda v: len(v) > 0 and all(n >= 1 for n in v)), 'sequence-parallel degrees >= 1'),
+    experts=one_of('both', 'high', 'low'),  # a two-expert model's (models/wan.py Experts)
 )
+# settings checked together: a rule keyed by their names, test(*values) -> None or why not
+RULES[('kl_min', 'kl_init', 'kl_max')] = (lambda lo, start, hi: None if lo <= start <= hi else
+                                         f'lambda_KL needs kl_min <= kl_init <= kl_max, got '
+                                         f'{lo:g}, {start:g}, {hi:g}', '')
+
+
+def rules(*modules):
+    """A script's rules for the settings that pick a module's names: each module's CHOICES ({setting:
+    names}) as one_of, and its RULES as they are (models/attention.py, extras/metrics.py)."""
+    out = {}
+    for m in modules:
+        out.update({k: one_of(*names) for k, names in getattr(m, 'CHOICES', {}).items()})
+        out.update(getattr(m, 'RULES', {}))
+    return out
 
 
 def check(settings, rules=RULES, defaults=None):

@@ -62,6 +62,17 @@ def export(src, dest, dtype=torch.bfloat16):
     return dest
 
 
+def final(out_dir, dtype, solo_timeout, master, transformer):
+    """train.py's export of its last checkpoint to out_dir/export, by rank 0 alone while the others
+    wait on the c10d store (solo_timeout), not in a collective (dist_timeout); transformer: the
+    diffusers class that loads it, for the line that says so."""
+    from infra import parallel
+    dest = os.path.join(out_dir, 'export')
+    parallel.solo(lambda: export(out_dir, dest, getattr(torch, dtype)), 'export', solo_timeout)
+    if master:
+        print(f'exported to {dest}: diffusers {transformer}.from_pretrained() loads it')
+
+
 if __name__ == '__main__':
     args = [a for a in sys.argv[1:] if not a.startswith('--')]
     opts = dict(a[2:].split('=', 1) for a in sys.argv[1:] if a.startswith('--') and '=' in a)
