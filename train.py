@@ -125,9 +125,6 @@ seed = 0
 config = configure(globals(), rules=rules(sde, eq, tr, reward, tvrl, metrics, attention_lib))
 # -----------------------------------------------------------------------------
 
-config = configure(globals(), rules=rules(sde, eq, tr, reward, tvrl, metrics, attention_lib))
-# -----------------------------------------------------------------------------
-
 # distributed setup: torchrun's environment, or one plain process (infra/parallel.py)
 ddp, rank, world, device = parallel.init(device, dist_timeout)
 master = rank == 0
