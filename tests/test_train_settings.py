@@ -4,8 +4,8 @@ each in this process (test_train.run_here) for one or a few toy iterations of 2 
 --key=value and read only from what the run leaves (metrics.jsonl, checkpoints, printed lines):
 - advantage='per_component' and 'taros' train other weights than 'grpo' from the same rollouts (a setting
   that never reached the advantage would leave all three bitwise equal);
-- --kl_warmup and --kl_init reach the controller: lambda_KL logged at iterations 1, 2 is the warm-up's
-  closed form from kl_init (not kl_min, nor the default 100 steps);
+- --kl_warmup and --kl_init reach the controller: lambda_KL logged after iteration 1 is the warm-up's
+  closed form from kl_init (not kl_min, nor the default 100 steps), in the same three runs;
 - kl_estimator='sample' pulls toward the rollout policy: with every advantage 0 (a constant reward) only
   the KL terms train, the exact ones have no gradient at theta_old, and the sample estimate's one
   optimizer step makes the rollout's own transitions more likely under the checkpoint's weights;
@@ -36,26 +36,38 @@ def args(tmp_path):
     return ARGS + [f'--eval_prompts={tmp_path / "eval.txt"}']
 
 
-def test_advantage_kinds_change_what_is_trained(tmp_path, monkeypatch, args):
-    # one iteration each, the same rollouts and rewards (the same seed): only the advantage differs
-    w = {}
-    for kind in ('grpo', 'per_component', 'taros'):
-        out = str(tmp_path / kind)
-        run_here(monkeypatch, args + [f'--out_dir={out}', '--max_iters=1', f'--advantage={kind}'])
-        w[kind] = weights(out)
+# lambda_KL's warm-up from kl_init 1e-6, above kl_min 1e-7, over 4 optimizer steps to kl_max 1e-5 (one step an
+# iteration): by hand 1e-6 + 9e-6 k / 4 after iteration k, 3.25e-6 at k = 1 (from kl_min: 2.575e-6; the
+# default 100 steps: 1.09e-6). The advantage runs carry it, so their runs serve both tests
+WARMUP = ['--kl_init=1e-6', '--kl_min=1e-7', '--kl_max=1e-5', '--kl_warmup=4']
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """{advantage kind: its run's out_dir}: one iteration each, the same seed, so the same rollouts and
+    rewards; only the advantage differs."""
+    tmp = tmp_path_factory.mktemp('kinds')
+    (tmp / 'eval.txt').write_text('a red circle moving left\na blue square moving up\n')
+    outs = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for kind in ('grpo', 'per_component', 'taros'):
+            outs[kind] = str(tmp / kind)
+            run_here(monkeypatch, ARGS + [f'--eval_prompts={tmp / "eval.txt"}', f'--out_dir={outs[kind]}',
+                                          '--max_iters=1', f'--advantage={kind}'] + WARMUP)
+    return outs
+
+
+def test_advantage_kinds_change_what_is_trained(trained):
+    w = {kind: weights(out) for kind, out in trained.items()}
     for a, b in (('grpo', 'per_component'), ('grpo', 'taros'), ('per_component', 'taros')):
         assert w[a].keys() == w[b].keys()
         assert any(not torch.equal(w[a][k], w[b][k]) for k in w[a]), (a, b)
 
 
-def test_kl_warmup_starts_at_kl_init_and_reaches_the_controller(tmp_path, monkeypatch, args):
-    # kl_init 1e-6 above kl_min 1e-7, 4 warm-up steps to kl_max 1e-5, one optimizer step an iteration:
-    # lambda_KL after iteration k is 1e-6 + 9e-6 k / 4 (from kl_min: 3.3e-6 at k = 1; 100 steps: 1.09e-6)
-    out = str(tmp_path / 'warm')
-    run_here(monkeypatch, args + [f'--out_dir={out}', '--max_iters=2', '--kl_init=1e-6', '--kl_min=1e-7',
-                                  '--kl_max=1e-5', '--kl_warmup=4'])
-    lam = [r['lambda_kl'] for r in metrics(out) if 'reward' in r]
-    assert lam == pytest.approx([3.25e-6, 5.5e-6], rel=1e-9), lam
+def test_kl_warmup_starts_at_kl_init_and_reaches_the_controller(trained):
+    for out in trained.values():
+        lam = [r['lambda_kl'] for r in metrics(out) if 'reward' in r]
+        assert lam == pytest.approx([3.25e-6], rel=1e-9), lam
 
 
 def test_sample_kl_estimator_pulls_toward_the_rollout_policy(tmp_path, monkeypatch, args):
