@@ -37,7 +37,7 @@ def passes_from_zero():
 # run alone at the end while the other worker idles. Longest first keeps the two workers even.
 SLOW_FIRST = ('test_train.py', 'test_preemption.py', 'test_checkpoint.py', 'test_wan.py', 'test_train_ranks.py',
               'test_nodes.py', 'test_wan22.py', 'test_compute.py', 'test_credit_train.py', 'test_learning.py',
-              'test_sp.py', 'test_alarm.py', 'test_rundir.py', 'test_fullsize.py', 'test_sample.py')
+              'test_sp.py', 'test_alarm.py', 'test_train_settings.py', 'test_rundir.py', 'test_fullsize.py', 'test_sample.py')
 
 
 def pytest_collection_modifyitems(items):
