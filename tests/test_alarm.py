@@ -7,7 +7,8 @@ checkpoint before an alarm rotated away. Slips each test below fails on: a stand
 population std, or unpaired), a score with no declared wrong way flagged rising, an item unscored now
 that makes the watcher NaN, a held-out composite at Setting B in a Setting A run, luma weights swapped or
 grey in place of luma, the previous evaluation lost at a resume, the oldest or an earlier checkpoint
-pinned. The alarm on the toy's headline run: tests/test_headline.py.
+pinned. The alarm on the toy's headline run: tests/test_headline.py; its state across train.py's resume:
+tests/test_train_settings.py.
 """
 import os
 import random
@@ -133,6 +134,9 @@ def test_alarm_noise_is_the_standard_error_of_the_paired_differences():
         assert not flagged or f'VQ 0.5000 -> 0.2000 (SE {se:.4f})' in line
 
 
+WATCHED = ['VQ', 'MQ', 'TA', 'clipscore', 'pickscore']  # no entry in evaluate.WRONG: they go wrong falling
+
+
 def test_a_score_with_no_wrong_direction_rising_with_the_composite_is_never_flagged():
     # VQ, MQ, TA, CLIPScore, PickScore go wrong falling: rising far beyond their noise with the composite,
     # at every evaluation, is what training is for; falling, the same distance, trips the alarm
@@ -146,8 +150,6 @@ def test_a_score_with_no_wrong_direction_rising_with_the_composite_is_never_flag
             fields, line = a(it, moved)
         assert fields['alarm'] == tripped and fields['watch_flagged'] == tripped, (way, fields)
 
-
-WATCHED = ['VQ', 'MQ', 'TA', 'clipscore', 'pickscore']
 
 
 def test_an_item_unscored_now_leaves_the_pairs():
