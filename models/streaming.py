@@ -32,8 +32,8 @@ LAYOUT = dict(block=3,      # latent frames generated together
 
 def sigmas(layout):
     """The sampler's sigmas (warped timesteps / 1000): (1000, 750, 500, 250) at shift 5 -> 1, 0.9375, 0.8333, 0.625."""
-    s = torch.tensor(layout['timesteps'], dtype=torch.float64) / 1000
-    return (layout['shift'] * s / (1 + (layout['shift'] - 1) * s)).tolist()
+    a = layout['shift']
+    return [a * (t / 1000) / (1 + (a - 1) * (t / 1000)) for t in layout['timesteps']]  # floats: no tensor op
 
 
 def visible_frames(cached, start, end, layout):
