@@ -30,8 +30,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 STRATEGIES = ('none', 'fixed', 'stepwise', 'moving', 'dual')  # KL strategies (docs/method.md 5.3)
-ESTIMATORS = ('exact', 'sample')  # the velocity term: the Gaussian KL | the released one-sample estimate
-CHOICES = dict(kl_strategy=STRATEGIES, kl_estimator=ESTIMATORS)  # train.py's settings that pick these
+ESTIMATORS = ('exact', 'sample')  # the velocity term: the Gaussian KL | the released 1-sample one
+# train.py's settings that pick these
+CHOICES = dict(kl_strategy=STRATEGIES, kl_estimator=ESTIMATORS)
 # the controller's rule: the paper's printed values, fixed (docs/method.md 5.5), not settings
 WINDOW = 10  # the deadband compares the mean of the last WINDOW observed KLs (printed value, fixed)
 HIGH, LOW = 1.5, 0.5  # deadband edges, as multiples of the target (printed values, fixed)
