@@ -22,8 +22,7 @@ Tested by: python -m pytest tests/test_reward.py tests/test_advantage.py
 """
 import torch
 
-# sample_indices: the frames VideoAlign sees, re-exported for train.py's credit
-from models.videoalign import load_videoalign, sample_indices  # noqa: F401
+from models.videoalign import load_videoalign
 
 DIMS = ("VQ", "MQ", "TA")  # the components a reward returns, in the order of the weights
 SETTING_A = (1.0, 1.0, 1.0)  # (w_vq, w_mq, w_ta): equal weights, VideoAlign's Overall

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import reward
 import sde
+from models.videoalign import sample_indices
 
 GRANULARITIES = ('window', 'frame')  # a weight per latent token, or one per latent frame
 CHOICES = dict(credit_granularity=GRANULARITIES)  # train.py's setting that picks one of these
@@ -116,7 +117,7 @@ def score(reward_fn, frames, prompts, fps, weights, latent_shape, window, granul
     frames (VideoAlign at 2 fps: its sample_fps) sees some of them: the others are interpolated."""
     scores, g = reward.score_and_grad(reward_fn, frames, prompts, fps, weights)  # g (B, F, 3, H, W)
     rate = getattr(reward_fn, 'sample_fps', None)
-    seen = reward.sample_indices(frames.shape[1], fps, rate) if rate else None
+    seen = sample_indices(frames.shape[1], fps, rate) if rate else None  # VideoAlign's frames
     return dict(scores, credit=credit_map(g, latent_shape, seen, window, granularity))
 
 
