@@ -1,6 +1,7 @@
 """
 The samplers: one step of the rectified-flow reverse process, deterministic (ODE) or stochastic
-(DanceGRPO, FlowGRPO, SAGE-GRPO, CPS), with the log-probability of the transition for GRPO.
+(DanceGRPO, FlowGRPO, SAGE-GRPO, CPS), with the log-probability of the transition for GRPO; and the
+rollout that takes those steps from noise to data, keeping what training needs (sample).
 
     x_s = (1 - s) x0 + s noise,  v = noise - x0,  noise_hat = x + (1 - s) v,  score = -noise_hat / s
     dance/flow/sage:  mean = x + dt v + 0.5 Sigma score,      x_next = mean + sqrt(Sigma) z
@@ -172,3 +173,32 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noi
         x_next = (mean.detach() + bcast(std) * z).to(x.dtype)
     # full Gaussian log-density per element, float32, averaged (or credit-weighted) over elements
     return Step(x_next, mean, std, log_prob(x_next, mean, std, weight))
+
+
+def sample(velocity, x, sigmas, kind, eta, generators, keep=False, window=None, boundary=None):
+    """The rollout: integrate x (B, ...) from sigmas[0] down to sigmas[-1] with step() of this kind (at
+    the steps in `window` only, if given: ODE steps elsewhere). velocity(x, s) -> v, s (B,) the sigmas;
+    generators: one per sample, its own noise stream, so a clip's rollout does not depend on how
+    clips are batched. Returns the final latents and, if keep, what training needs of every step:
+    xs (B, N+1, ...), means (B, N, ...), logps (B, N), stds (B, N) (an ODE step: std 0 and logp 0; it
+    has no log-probability and is never trained). boundary(): called before each step's forward."""
+    B, N = x.shape[0], len(sigmas) - 1
+    xs, means, logps, stds = [x], [], [], []
+    for i in range(N):
+        if boundary is not None:
+            boundary()
+        v = velocity(x, sigmas[i].expand(B).to(x.device))
+        # z (B, ...) drawn even for an ODE step: every clip's stream stays aligned with its steps
+        z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)
+        st = step(x, v, sigmas[i].item(), sigmas[i + 1].item(), noise=z,
+                  kind=kind if window is None or i in window else 'ode', eta=eta)
+        x = st.x_next
+        if keep:
+            xs.append(x)
+            means.append(st.mean)
+            logps.append(st.logp if st.logp is not None else x.new_zeros(B))
+            stds.append(st.std)
+    if not keep:
+        return x, None
+    return x, dict(xs=torch.stack(xs, 1), means=torch.stack(means, 1), logps=torch.stack(logps, 1),
+                   stds=torch.stack(stds, 1))

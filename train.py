@@ -404,7 +404,8 @@ def held_out(it):
     log({'iter': it, **{f'eval_{k}': v for k, v in ev.items()}, **watch})
     if line and master:  # the checkpoint of the evaluation before the alarm: no rotation removes it
         kept = checkpoint.pin(out_dir, alarm.kept, f'the last evaluation before the alarm of {it}')
-        print(line + (f'; {kept} is kept' if kept else '') + ('; hack_stop' if hack_stop else ''))
+        print(line + (f'; {kept} is kept' if kept else '') +
+              ('; hack_stop: stopping' if hack_stop else ''))
     if master and it == max_iters and first_eval is not None:
         print(f"eval composite before {first_eval['composite']:.4f} -> after {ev['composite']:.4f}")
     return ev

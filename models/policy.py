@@ -234,31 +234,10 @@ def seed_of(*parts):
 
 @torch.no_grad()
 def sample(net, x, sigmas, text, cfg, text_neg, kind, eta, gens, keep=False, window=None, boundary=None):
-    """Integrate from x at sigmas[0] down to sigmas[-1] with sde.step of the given kind (at the steps
-    in `window` only, if given: ODE steps elsewhere, see sde.window). Returns the final latents and,
-    if keep, what training needs for every step: xs (B, N+1, ...), means (B, N, ...), logps (B, N),
-    stds (B, N); an ODE step has std 0 and logp 0 (it has no log-probability, and is never trained).
-    boundary(): called before each step's forward (train.py's preemption point)."""
-    B, N = x.shape[0], len(sigmas) - 1
-    xs, means, logps, stds = [x], [], [], []
-    for i in range(N):
-        if boundary is not None:
-            boundary()
-        s = sigmas[i].expand(B).to(x.device)
-        v = velocity(net, x, s, text, cfg, text_neg)
-        z = noise(x.shape[1:], gens, x.device)  # drawn even for ODE steps: keeps streams aligned
-        st = sde.step(x, v, sigmas[i].item(), sigmas[i + 1].item(), noise=z,
-                      kind=kind if window is None or i in window else 'ode', eta=eta)
-        x = st.x_next
-        if keep:
-            xs.append(x)
-            means.append(st.mean)
-            logps.append(st.logp if st.logp is not None else x.new_zeros(B))
-            stds.append(st.std)
-    if not keep:
-        return x, None
-    return x, dict(xs=torch.stack(xs, 1), means=torch.stack(means, 1),
-                   logps=torch.stack(logps, 1), stds=torch.stack(stds, 1))
+    """sde.sample (the rollout and the ODE sampler) with the guided velocity of transformer net for text,
+    text_neg: the final latents and, if keep, every step's xs, means, logps and stds."""
+    return sde.sample(lambda x_, s: velocity(net, x_, s, text, cfg, text_neg), x, sigmas, kind, eta, gens,
+                      keep=keep, window=window, boundary=boundary)
 
 
 # ----------------------------------------------------------------------------- frames
