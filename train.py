@@ -399,9 +399,11 @@ def log_iteration(scores, batch, row, times):
 
 def held_out(it):
     """Evaluate, watch, log; a stop meanwhile checkpoints, and this evaluation is owed on resume."""
+    parallel.reset_peak_memory(device)  # the peak logged is the evaluation's
     ev = evaluate(policy, it, lambda: save_checkpoint(eval_owed=True))
     watch, line = alarm(it, evaluate.items)  # the same on every rank: the items are gathered
-    log({'iter': it, **{f'eval_{k}': v for k, v in ev.items()}, **watch})
+    log({'iter': it, **{f'eval_{k}': v for k, v in ev.items()}, **watch,
+         'peak_mem_gb': parallel.peak_memory_gb(device).max().item()})
     if line and master:  # the checkpoint of the evaluation before the alarm: no rotation removes it
         kept = checkpoint.pin(out_dir, alarm.kept, f'the last evaluation before the alarm of {it}')
         print(line + (f'; {kept} is kept' if kept else '') +

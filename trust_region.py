@@ -100,9 +100,9 @@ class Anchor:
 
         Run it BEFORE the policy's grad-tracking forward of the same micro-batch: the weights are
         swapped in place, and a swap between a forward and its backward corrupts autograd (the
-        version-counter check raises, and FSDP2's kept-gathered root would serve the anchor). Inside
-        the body the anchor's own tensors hold the policy's weights (a swap, not a copy): nothing there
-        may read or refresh the anchor.
+        version-counter check raises, and FSDP2's kept-gathered root would serve the anchor).
+        Inside the body the anchor's own tensors hold the policy's weights (a swap, not a copy):
+        nothing there may read or refresh the anchor.
         """
         if not self.weights:
             raise RuntimeError(f'strategy {self.strategy!r} keeps no anchor')
@@ -110,7 +110,7 @@ class Anchor:
         with torch.no_grad():
             try:
                 for name, p in _trainable(model).items():
-                    self._swap(p, self.weights[name])  # the policy's weights wait in the anchor's tensors
+                    self._swap(p, self.weights[name])  # the policy's wait in the anchor's tensors
                     swapped.append(name)
                 yield  # the body runs under no_grad too: the anchor's output is a target
             finally:  # reshard first, or the root keeps the anchor's gathered weights
@@ -120,8 +120,8 @@ class Anchor:
 
     def _swap(self, a, b):
         # exchange the contents of two tensors of one shape and dtype (sharded DTensors: their local
-        # shards) through a buffer kept for it: no per-call copy of all the weights (3.9 GB a GPU at 8.3B
-        # in fp32), one buffer the size of the largest local tensor, allocated once
+        # shards) through a buffer kept for it: no per-call copy of all the weights (3.9 GB a GPU at
+        # 8.3B in fp32), one buffer the size of the largest local tensor, allocated once
         a, b = _local(a), _local(b)
         key = (a.dtype, a.device)
         if key not in self._buffers:
