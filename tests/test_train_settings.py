@@ -13,9 +13,10 @@ each in this process (test_train.run_here) for one or a few toy iterations of 2 
 - the alarm's state is in the checkpoint: a run resumed after iteration 2 still knows the base model's
   evaluation and iteration 2's flags, so at iteration 3 it flags, trips on the watchers flagged at both and
   pins ckpt_000002 (a reward that rises with each call makes the held-out composite rise); the run is at
-  Setting A, and every held-out composite logged is VQ + MQ + TA.
-hack_stop's checkpoint at the iteration it stops: tests/test_alarm.py. The same settings on 2 ranks
-against 1 process (torchrun): tests/test_train_ranks.py (slow tier).
+  Setting A, and every held-out composite logged is VQ + MQ + TA;
+- hack_stop checkpoints the iteration it stops at: the alarm trips at iteration 2 (by hand, under the rising
+  reward), the run writes ckpt_000002 with save_every 0 and logs nothing after it.
+The same settings on 2 ranks against 1 process (torchrun): tests/test_train_ranks.py (slow tier).
 """
 import os
 
@@ -118,21 +119,26 @@ def test_sample_kl_estimator_pulls_toward_the_rollout_policy(tmp_path, monkeypat
     assert after > before, (before, after)
 
 
-def test_alarm_state_survives_a_resume_and_setting_a_is_evaluated_at_a(tmp_path, monkeypatch, args):
-    # an evaluation every iteration, alarm_z tiny (any move beyond 0 counts); 2 iterations, a checkpoint
-    # each, then the same command resumed to 3: iteration 3 still compares with the base model's
-    # evaluation (iteration 0) and remembers iteration 2's flags and evaluation. The toy's TA is raised by
-    # 1 at each call of the reward: the held-out composite rises at every evaluation (a few toy iterations
-    # of 2 prompts do not raise it), while every clip of a call shares the shift, so the advantages, and
-    # what is trained, are the toy's own
+def rising(monkeypatch):
+    """The toy's reward with TA raised by 1 at each call: the held-out composite rises at every evaluation
+    (a few toy iterations of 2 prompts do not raise it), while every clip of a call shares the shift, so the
+    advantages, and what is trained, are the toy's own."""
     from models import toy
     score, calls = toy.reward, []
 
-    def rising(frames, prompts, fps=toy.FPS):
+    def reward(frames, prompts, fps=toy.FPS):
         calls.append(1)
         sc = score(frames, prompts, fps)
         return dict(sc, TA=sc['TA'] + len(calls))
-    monkeypatch.setattr(toy, 'reward', rising)
+    monkeypatch.setattr(toy, 'reward', reward)
+
+
+def test_alarm_state_survives_a_resume_and_setting_a_is_evaluated_at_a(tmp_path, monkeypatch, args):
+    # an evaluation every iteration, alarm_z tiny (any move beyond 0 counts); 2 iterations, a checkpoint
+    # each, then the same command resumed to 3: iteration 3 still compares with the base model's
+    # evaluation (iteration 0) and remembers iteration 2's flags and evaluation (a rising reward: flags at
+    # every evaluation)
+    rising(monkeypatch)
     out = str(tmp_path / 'alarm')
     run_args = args + [f'--out_dir={out}', '--eval_every=1', '--save_every=1', '--alarm_z=1e-9',
                        '--reward_weights=(1.0, 1.0, 1.0)']
@@ -148,3 +154,17 @@ def test_alarm_state_survives_a_resume_and_setting_a_is_evaluated_at_a(tmp_path,
     assert tripped and evals[3]['alarm'] == tripped, (flagged2, flagged3, evals[3]['alarm'])
     assert 'alarm: iteration 3: ' in said and 'ckpt_000002 is kept' in said
     assert os.path.exists(os.path.join(out, 'ckpt_000002', 'pinned'))
+
+
+def test_hack_stop_checkpoints_the_iteration_it_stops_at(tmp_path, monkeypatch, args):
+    # a rising reward and alarm_z tiny: watchers flagged at iterations 1 and 2, so the alarm trips at 2, by
+    # hand; hack_stop then writes ckpt_000002 (no save_every would) and runs nothing after it, no export
+    rising(monkeypatch)
+    out = str(tmp_path / 'stop')
+    said = run_here(monkeypatch, args + [f'--out_dir={out}', '--max_iters=4', '--eval_every=1', '--alarm_z=1e-9',
+                                         '--hack_stop=True', '--export_dtype=float32'])
+    rows = metrics(out)
+    assert [r['iter'] for r in rows if r.get('alarm')] == [2] and max(r['iter'] for r in rows) == 2
+    assert 'alarm: iteration 2: ' in said
+    assert open(os.path.join(out, 'latest')).read().strip() == 'ckpt_000002'
+    assert os.listdir(out).count('ckpt_000002') == 1 and not os.path.exists(os.path.join(out, 'export'))
