@@ -6,8 +6,8 @@ with this project's sharded checkpoints (checkpoint.py, DCP) and with the simple
 gathered save (the full state gathered to rank 0 and pickled into one state.pt; on resume every rank
 torch.loads all of it: old_save / old_load below).
 
-    python -m bench.checkpoint              # ~5 min on 2 cores; results/checkpoint.{md,json}, README block
-    python -m bench.checkpoint --parts=      # no measurement: the report and README block from checkpoint.json
+    python -m bench.checkpoint              # ~5 min on 2 cores; results/checkpoint.{md,json}, results/README.md section 10
+    python -m bench.checkpoint --parts=      # no measurement: the report and block from checkpoint.json
     python -m bench.checkpoint --quick=True # the 20M config only (a smoke test, into /tmp/bench_checkpoint_quick)
     python -m bench.checkpoint --parts=prompts   # one part again, the other keeps its last results
 
@@ -378,18 +378,19 @@ def main():
     with open(os.path.join(out, 'checkpoint.json'), 'w') as f:
         json.dump(dict(checkpoint=ck, prompt_cache=pc, markdown_checkpoint=ck_md, markdown_prompts=pc_md,
                        quick=quick), f, indent=1)
-    if not quick and os.path.exists('README.md'):  # the README quotes the generated block, never retyped
-        # the tables and how they were measured stay in results/checkpoint.md; the README quotes the headlines
+    if not quick:  # results/README.md section 10, the headlines; the tables and how: results/checkpoint.md
         bold = [l.split('**')[1] + '.' for l in ck_md if l.startswith('**')][-1:]  # the last: 8.3B on a node of 8 GPUs
         run = [r for k, r in ck['runs'].items() if k.endswith('dcp 2')][-1]  # the largest measured: bytes a parameter
         disk = sum(run['save']['written_gb']) / run['P'] * TARGET_P  # on disk, extrapolated to 8.3B
         bold.append(f'Disk per checkpoint at {TARGET_P / 1e9:.1f}B: about {disk:.0f} GB ({disk / TARGET_P * 1e9:.1f} bytes a '
                     f'parameter as written at {run["P"] / 1e6:.0f}M: fp32 weights, AdamW moments, anchor), '
                     f'1/{TARGET_N} of it written by each rank; `keep_checkpoints` of them stay.')
-        C.put_block('README.md', 'bench.checkpoint', ['- ' + b for b in bold] + ['- Prompt cache (infra/prompt_cache.py): ' + '; '.join(
+        C.put_block(os.path.join(out, 'README.md'), 'bench.checkpoint', [
+            '## 10. Checkpoints and the prompt cache at 8.3B (`python -m bench.checkpoint`)', ''] +
+            ['- ' + b for b in bold] + ['- Prompt cache (infra/prompt_cache.py): ' + '; '.join(
             f'{r.split("|")[1].strip()} prompts ({r.split("|")[2].strip()} GB) open in {r.split("|")[4].strip()} s '
             f'with {r.split("|")[5].strip()} GB per rank' for r in pc_md if r.startswith('| ') and r[2].isdigit()) +
-            '. How, and every config: [results/checkpoint.md](results/checkpoint.md).'])
+            '. How, and every config: [checkpoint.md](checkpoint.md).'])
     print(text)
 
 

@@ -9,8 +9,8 @@ Alignment per unit of compute: which savings keep the quality, on equal compute,
     python -m bench.compute --quick              # a smoke test of the whole bench (tiny runs, 2 seeds; ~2 min),
                                                  # into the temp folder: the committed results stay as they are
 
-Writes results/compute.md and .json, results/compute.png, section 7 of results/README.md and the
-bench.compute block of README.md (the verdicts and the GPU-hours table).
+Writes results/compute.md and .json, results/compute.png and section 7 of results/README.md (its
+bench.compute block: the GPU-budget sentence, the verdicts and the GPU-hours table).
 
 What it compares (config/toy.py, 16 prompts x G=4, sage + equalizer + dual KL): the paper's setting,
 every stochastic step of every clip trained (`timestep_fraction=1.0`; the "default" below), against
@@ -335,15 +335,14 @@ if __name__ == '__main__':
     with open(os.path.join(out, 'compute.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
     plots(runs, cmp)
-    C.put_block(os.path.join(out, 'README.md'), 'bench.compute', md)
-    if out == 'results' and os.path.exists('README.md'):  # one sentence; the table and its runs in results/
-        C.put_block('README.md', 'bench.compute', [
-            f'**How to spend a GPU budget** ([results/compute.md](results/compute.md)): train.py logs its transformer '
-            f'passes by kind (`passes_*`) and `bench/fullsize.gpu_hours` prices them at full size ({full_iters:,} '
-            f'iterations, {full_gpus} GPUs at an assumed {TFLOPS:.0f} TFLOP/s); the toy\'s verdict at equal passes '
-            'against every step trained in brackets: ' + '; '.join(
-                f'{k} {f["days_run"]:.1f} days ({cmp.get(k, {}).get("verdict", "")})' for k, f in res['full'].items())
-            + '.'])
+    # results/README.md section 7: the GPU-budget sentence first, then the table and its runs
+    budget = (f'**How to spend a GPU budget** ([compute.md](compute.md)): train.py logs its transformer passes by kind '
+              f'(`passes_*`) and `bench/fullsize.gpu_hours` prices them at full size ({full_iters:,} iterations, '
+              f'{full_gpus} GPUs at an assumed {TFLOPS:.0f} TFLOP/s); the toy\'s verdict at equal passes against every '
+              'step trained in brackets: ' + '; '.join(
+                  f'{k} {f["days_run"]:.1f} days ({cmp.get(k, {}).get("verdict", "")})' for k, f in res['full'].items())
+              + '.')
+    C.put_block(os.path.join(out, 'README.md'), 'bench.compute', md[:2] + [budget, ''] + md[2:])
     for k, c in cmp.items():
         print(f'{k}: {c["verdict"]}')
-    print(f'wrote {out}/compute.md, compute.json, compute.png, README blocks')
+    print(f'wrote {out}/compute.md, compute.json, compute.png, README.md section 7')

@@ -1,21 +1,21 @@
 """
 HunyuanVideo 1.5 (8.3B) at full size without a GPU: per-GPU memory by category and FLOPs of one
 training micro-step and one rollout forward, measured by torch on fake tensors (real shapes and
-dtypes, no storage): the runs, the report (results/fullsize.{md,json}) and the README block.
+dtypes, no storage): the runs, the report (results/fullsize.{md,json}) and section 9 of results/README.md.
 
-    python -m bench.fullsize                           # the estimate -> results/fullsize.{md,json}, README block
+    python -m bench.fullsize                           # the estimate -> results/fullsize.{md,json}, results/README.md block
     python -m bench.fullsize --only=train & python -m bench.fullsize --only=rollout,lora; \
         python -m bench.fullsize --reuse=True          # the same in two parallel parts, then assembled
     python -m bench.fullsize --only=wan,wansp --reuse=True  # the Wan 2.1 rows alone (the others read back),
     python -m bench.fullsize --only=a14b --reuse=True  # Wan 2.2 A14B's rows alone (about 20 min),
-    python -m bench.fullsize --reuse=True              # then the report and README block from every kept run
-    python -m bench.fullsize --report_only=True        # fullsize.md and the README block from fullsize.json
+    python -m bench.fullsize --reuse=True              # then the report and results/README.md block from every kept run
+    python -m bench.fullsize --report_only=True        # fullsize.md and the results/README.md block from fullsize.json
 
 Its pieces, whose settings this command line sets too:
 - bench/fullsize_measure.py: measure(), one micro-step or rollout forward on fake tensors; how it
   measures, and where it knowingly differs from a GPU run;
 - bench/fullsize_wan.py: Wan 2.1 T2V 1.3B and 14B at their own clip size, 81x480x832, their own
-  section of fullsize.md and rows of the README block;
+  section of fullsize.md and rows of the results/README.md block;
 - bench/fullsize_wan22.py: Wan 2.2 T2V-A14B's two experts on 8 GPUs, measured shallow and carried to
   40 layers an expert, its own section and rows.
 The ready check for the day GPUs are at hand is its own script: python -m bench.fullsize_gpu.
@@ -188,7 +188,7 @@ def twin(out, r):
 
 
 def readme_summary(out):
-    """The README's block: per model and clip size, the per-GPU peak of an iteration (the larger of the
+    """results/README.md's table: per model and clip size, the per-GPU peak of an iteration (the larger of the
     training micro-step and the rollout forward, VAE and VideoAlign resident) of each setup measured,
     HunyuanVideo with masked-key attention (train.py's valid_tokens computes at most that); every run,
     phase and category are in results/fullsize.md."""
@@ -215,8 +215,12 @@ def readme_summary(out):
     return table(['model', 'frames x H x W', f'peak GiB per GPU of an iteration (**bold**: fits {gb:.0f} GB)'], rows)
 
 
-def update_readme(out, path='README.md'):
-    C.put_block(path, 'bench.fullsize', [readme_summary(out)])
+def update_readme(out, path=os.path.join(out_dir, 'README.md')):
+    """Section 9 of results/README.md: the peaks of every model and clip size (bench/toy.py keeps it)."""
+    C.put_block(path, 'bench.fullsize', [
+        '## 9. Every model at full size: peak memory per GPU (`python -m bench.fullsize`)', '',
+        'By torch on fake tensors (FSDP2 over a fake 8-rank group; [fullsize.md](fullsize.md)):', '',
+        readme_summary(out)])
 
 
 def report(out):

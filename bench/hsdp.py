@@ -4,8 +4,8 @@ GPU moves in one training micro-step, within a node and across nodes, for FSDP2 
 ranks and HSDP (sharded over a node's 8, replicated over the 8 nodes: train.py's shard_size
 default), each without and with sequence parallel 2, measured by torch on fake tensors.
 
-    python -m bench.hsdp                       # the 4 runs -> results/hsdp.{md,json}, README block (~40 min)
-    python -m bench.hsdp --report_only=True    # the report and README block from results/hsdp.json
+    python -m bench.hsdp                       # the 4 runs -> results/hsdp.{md,json}, results/README.md section 11 (~40 min)
+    python -m bench.hsdp --report_only=True    # the report and README.md block from results/hsdp.json
     python -m bench.hsdp --tiny=True           # a 2-block config, ~2 min: into /tmp/bench_hsdp_tiny
 
 How: bench.fullsize_measure.measure runs the micro-step as train.py does (the anchor's forward without grad,
@@ -218,9 +218,10 @@ def write(out, dest, readme=True):
     with open(os.path.join(dest, 'hsdp.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
     if readme:
-        C.put_block('README.md', 'bench.hsdp', [
+        C.put_block(os.path.join(dest, 'README.md'), 'bench.hsdp', [  # results/README.md section 11
+            '## 11. 64 GPUs on 8 nodes: flat FSDP vs HSDP (`python -m bench.hsdp`)', '',
             'One training micro-step of 8.3B on 64 GPUs, fake tensors (how, and by category and collective: '
-            '[results/hsdp.md](results/hsdp.md)):', '', C.table(HEADER, rows(out))])
+            '[hsdp.md](hsdp.md)):', '', C.table(HEADER, rows(out))])
 
 
 if __name__ == '__main__':

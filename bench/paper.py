@@ -14,8 +14,8 @@ interval over the seeds, positive = the reference is better.
     python -m bench.paper --quick                  # smoke test: 4 cells x 2 seeds x 2 iterations, into /tmp/paper_quick
 
 Writes results/paper.md and .json, results/paper_<group>.png (the paired difference over iterations) and
-paper_curves.png (every cell's mean curve), and the bench.paper block of README.md (appended at its end by
-bench.common.put_block if the markers are absent); --quick and any other --out write only their out dir.
+paper_curves.png (every cell's mean curve), and section 8 of results/README.md (its bench.paper block, which
+bench/toy.py keeps when it rewrites that file); --quick and any other --out write only their out dir.
 
 The cells (config/toy.py otherwise; 8 prompts x G=4, 60 iterations, an evaluation every 5: bench.verdicts'
 settings and its cell names, so the 5 cached reference cells of Setting B are reused, not retrained):
@@ -399,8 +399,8 @@ def plots(runs):
 
 
 def readme_lines(res, note):
-    """The README's block: a table of the same shape as bench.verdicts' (a row a comparison, the cells the claim
-    holds, fails and cannot be told against), then the alarm; the intervals and every cell: results/paper.md."""
+    """Section 8 of results/README.md: a table of the same shape as bench.verdicts' (a row a comparison, the cells
+    the claim holds, fails and cannot be told against), then the alarm; the intervals and every cell: paper.md."""
     alarms = []
     for label, per in res['alarms'].items():
         rec = [a for a in per if a is not None and a != 'not recorded']
@@ -409,7 +409,7 @@ def readme_lines(res, note):
     rows = [r for r in res['short'] if any(x not in ('-', '') and '(not run)' not in x for x in r[1:])]
     head = (f'{iters} iterations x {seeds} seeds a cell, each paired with sage + equalizer + dual KL at its setting (in '
             'brackets: the mean difference in held-out composite, positive = the reference is better); every cell, '
-            'interval, metric and alarm: [results/paper.md](results/paper.md).')
+            'interval, metric and alarm: [paper.md](paper.md).')
     alarm = (f' Runs whose reward-hacking alarm tripped within {iters} iterations: {", ".join(alarms)}.' if alarms else '')
     if not rows:
         return note + [head + ' No comparison has finished yet: `python -m bench.paper` runs them (cached, resumable).']
@@ -431,8 +431,9 @@ if __name__ == '__main__':
         json.dump(dict(res, have=have), f, indent=1)
     with open(os.path.join(out, 'paper.md'), 'w') as f:
         f.write('\n'.join(md[:2] + note + md[2:]) + '\n')
-    if not quick and out == 'results' and os.path.exists('README.md'):
-        C.put_block('README.md', 'bench.paper', readme_lines(res, note))
-        print('README.md: bench.paper block written', flush=True)
+    if not quick and out == 'results':  # section 8 of results/README.md (bench/toy.py keeps it)
+        C.put_block(os.path.join(out, 'README.md'), 'bench.paper', [
+            "## 8. The paper's experiments as the paper ran them (`python -m bench.paper`)", ''] + readme_lines(res, note))
+        print('results/README.md: bench.paper block written', flush=True)
     print('\n'.join(res['claims']))
     print(f'wrote {out}/paper.md, {out}/paper.json', flush=True)

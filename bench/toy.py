@@ -18,7 +18,7 @@ installed); every finished cell is cached as results/cells/<name>.json and skipp
 Writes README.md's results block (between its bench.toy markers: the default run and Fig. 4, a line
 each) from the same numbers, so the README never quotes a figure by hand; the rest is results/README.md.
 
-Sections (the numbers of the README's tables):
+Sections (the numbers of results/README.md's):
  0. the toy world: the base model's held-out ODE samples next to clean renders and pure noise, and
     the default run `python train.py config/toy.py` (the README's first figures).
  1. samplers without training: per-step std of every kind in three treatments of the s = 1
@@ -31,9 +31,12 @@ Sections (the numbers of the README's tables):
  4. cost of one toy iteration vs the transformer passes it must do; peak memory, 1 vs 2 ranks;
     one optimizer step (AdamW, Muon) per rank.
  5. HunyuanVideo 1.5 on 8 GPUs on paper: memory per GPU and FLOPs per GRPO iteration.
- 6. (bench/verdicts.py, its own script: its block of results/README.md is kept as it last wrote it)
-    the paper's claims decided by paired seeds, 5 seeds x 60 iterations.
- 7. (bench/compute.py, its own script, its block kept the same way) alignment per unit of compute.
+ 6-11. Their own scripts' blocks of results/README.md, kept as they last wrote them (every block of
+    another script is): 6. the paper's claims decided by paired seeds, 5 seeds x 60 iterations
+    (bench/verdicts.py); 7. alignment per unit of compute (bench/compute.py); 8. the paper's
+    experiments as it ran them (bench/paper.py); 9. every model at full size (bench/fullsize.py);
+    10. checkpoints and the prompt cache at 8.3B (bench/checkpoint.py); 11. HSDP on 64 GPUs
+    (bench/hsdp.py).
 
 The sections 1-4 are their own modules, one question each (bench/toy_samplers.py, toy_gradnorm.py,
 toy_ablations.py, toy_cost.py; what they share: bench/toy_common.py); their settings sit at their tops
@@ -46,6 +49,7 @@ peak memory is each process's ru_maxrss, which counts the Python interpreter and
 """
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -251,13 +255,16 @@ if found:
     head += ['## Findings', '', f'Sections 2 and 3 in a sentence each (section 3: {train_iters} iterations x '
              f'{seeds} seeds of every switch, parts (a)-(h); the paired 5-seed verdicts are section 6); the tables '
              'follow.', ''] + found + ['']
-# sections 6 and 7: the blocks bench/verdicts.py and bench/compute.py write, kept as they last wrote them
-keep = {tag: C.get_block(os.path.join(out, 'README.md'), tag) for tag in ('bench.verdicts', 'bench.compute')}
-with open(os.path.join(out, 'README.md'), 'w') as f:
+# sections 6-11: every block another script writes (bench.verdicts, bench.compute, bench.paper, ...), kept
+# as it last wrote it, in the order the file has them
+md_path = os.path.join(out, 'README.md')
+tags = re.findall(r'^<!-- (\S+):begin', open(md_path).read(), re.M) if os.path.exists(md_path) else []
+keep = {tag: C.get_block(md_path, tag) for tag in tags if tag != 'bench.toy'}
+with open(md_path, 'w') as f:
     f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
-for tag, lines in keep.items():
+for tag, lines in keep.items():  # absent now: appended, in the order read
     if lines is not None:
-        C.put_block(os.path.join(out, 'README.md'), tag, lines)
+        C.put_block(md_path, tag, lines)
 with open(os.path.join(out, 'bench.json'), 'w') as f:
     json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
 

@@ -10,8 +10,8 @@ mean(d) +- t_{0.975, n-1} * sd(d) / sqrt(n).
     python -m bench.verdicts --workers=2 --worker=1   # with --worker=0 beside it: 2 processes on 2 cores
     python -m bench.verdicts --run=False        # only the report: tables, plots and claims from the cached cells
 
-Writes results/verdicts.md and .json, results/verdict_<k>.png, the verdicts section of
-results/README.md and the claims block of README.md (between their bench.verdicts markers).
+Writes results/verdicts.md and .json, results/verdict_<k>.png and the verdicts section of
+results/README.md (between its bench.verdicts markers: the claims, one row each, then the details).
 
 The comparisons (reference: sage + equalizer + dual KL; config/toy.py otherwise, 8 prompts x G=4):
  1. sampler (the paper's Table 2): sage vs flow, dance, cps at eta 0.5; and vs flow and cps at the
@@ -389,16 +389,14 @@ if __name__ == '__main__':
         json.dump(dict(res, have=have), f, indent=1)
     with open(os.path.join(out, 'verdicts.md'), 'w') as f:
         f.write('\n'.join(md[:1] + [''] + note + md[2:]) + '\n')
-    C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', md[:1] + [''] + note + md[2:])
-    if out == 'results' and os.path.exists('README.md'):
-        # the README: one row a claim; the intervals and every cell are results/README.md section 6
-        cols = [i for i in range(4) if any(r[i] != '-' for r in res['short'])]  # no 'fails vs' column if none fails
-        C.put_block('README.md', 'bench.verdicts', note + [table(
-            [['claim', 'holds vs', 'fails vs', 'cannot be told vs'][i] for i in cols],
-            [[r[i] for i in cols] for r in res['short']]), '',
-            f'Reference: sage + equalizer + dual KL, each of {seeds} seeds paired with the same seed of the other cell; '
-            'a claim holds if the 95% interval of the per-seed difference is above 0, fails if below (in brackets: the '
-            f'mean difference, positive = the reference is better: held-out composite over iterations '
-            f'{iters - late_iters}..{iters}; for 5, iterations to the threshold); 3 at kl_max {tr_kl_max:g} and '
-            f'{tr_updates} optimizer steps an iteration. The intervals, every cell and the curves: results/README.md section 6.'])
+    # results/README.md section 6: the claims, one row each, then the intervals, every cell and the curves
+    cols = [i for i in range(4) if any(r[i] != '-' for r in res['short'])]  # no 'fails vs' column if none fails
+    claims = [table([['claim', 'holds vs', 'fails vs', 'cannot be told vs'][i] for i in cols],
+                    [[r[i] for i in cols] for r in res['short']]), '',
+              f'Reference: sage + equalizer + dual KL, each of {seeds} seeds paired with the same seed of the other '
+              'cell; a claim holds if the 95% interval of the per-seed difference is above 0, fails if below (in '
+              'brackets: the mean difference, positive = the reference is better: held-out composite over iterations '
+              f'{iters - late_iters}..{iters}; for 5, iterations to the threshold); 3 at kl_max {tr_kl_max:g} and '
+              f'{tr_updates} optimizer steps an iteration. The intervals, every cell and the curves: below.']
+    C.put_block(os.path.join(out, 'README.md'), 'bench.verdicts', md[:1] + [''] + note + claims + [''] + md[2:])
     print('\n'.join(res['claims']))

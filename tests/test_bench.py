@@ -34,6 +34,9 @@ def numbers(x):
 @pytest.fixture(scope='module')
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
+    from bench import common as C  # blocks other scripts own (results/README.md sections 6-11): kept through the rewrite
+    for tag in ('bench.verdicts', 'bench.paper', 'bench.checkpoint'):
+        C.put_block(str(out / 'README.md'), tag, [f'## planted by {tag}', '', f'{tag} line'])
     p = subprocess.run([sys.executable, '-m', 'bench.toy', '--quick', f'--out={out}'], cwd=ROOT,
                        capture_output=True, text=True, timeout=360)  # ~100 s alone, more beside the suite's other worker
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -65,6 +68,14 @@ def test_markdown_tables(quick):
     for head in ('## 0.', '## 1.', '## 2.', '## 3.', '## 4.', '## 5.', 'Overhead ratio', 'Matched exploration'):
         assert head in md
     assert 'nan' not in md.lower().replace('nanogpt', '')
+
+
+def test_other_scripts_blocks_kept(quick):
+    from bench import common as C  # the rewrite keeps every block another script wrote, in its order, after the sections
+    md = (quick / 'README.md').read_text()
+    tags = ('bench.verdicts', 'bench.paper', 'bench.checkpoint')
+    assert [C.get_block(str(quick / 'README.md'), t) for t in tags] == [[f'## planted by {t}', '', f'{t} line'] for t in tags]
+    assert md.index('## 5.') < md.index('bench.verdicts line') < md.index('bench.paper line') < md.index('bench.checkpoint line')
 
 
 def test_plots(quick):
