@@ -34,7 +34,8 @@ phase's last output lines: 7 files. Random weights at the real width, built on t
 4. reward: VideoAlign (Qwen2-VL-2B at its real depth) scoring four clips, the VAE at its released widths
    decoding one clip of each size: time, allocated and reserved peaks.
 5. smoke: train.py with the tests' tiny models under torchrun (1 GPU, NCCL; on a CPU 2 ranks, gloo):
-   one iteration, a resume that trains one more and exports; the export loaded by diffusers.
+   one iteration, a resume that trains one more and exports (on a CPU in one plain process); the export
+   loaded by diffusers.
 Tested by: python -m pytest -m slow tests/test_gpu_check.py (the CPU path)
 """
 import json
@@ -111,9 +112,9 @@ def summary(name, r):
         return (f"VideoAlign {r['videoalign']['params_b']}B, 4 clips {va.get('s')} s peak {va.get('peak_gib')}/"
                 f"{va.get('reserved_gib')} GiB (allocated/reserved); VAE decode {d or '-'}")
     if name == 'smoke':
-        runs = ', '.join(f"{x['name']} {x['s']} s" for x in r['runs'])
+        runs = ', '.join(f"{x['name']} ({x['how']}) {x['s']} s" for x in r['runs'])
         it = r.get('iterations', [{}])[-1]
-        return (f"train.py on {r['ranks']} rank(s) ({r['backend']}): {runs}; ratio_max {fmt(it.get('ratio_max'))}; "
+        return (f"train.py ({r['backend']}): {runs}; ratio_max {fmt(it.get('ratio_max'))}; "
                 f"export loaded: {r.get('export', {}).get('loaded', False)}")
     return ''
 
@@ -148,8 +149,12 @@ def run_phase(i, name, limit, cfg_json):
     rec.update(phase=name, status=status, rc=rc, seconds=round(time.time() - t0, 1), limit_s=round(limit))
     with open(log) as f:
         tail = f.read().splitlines()[-60:]
-    if status != 'ok':
+    if status == 'timeout':
+        rec['error'] = f'killed at its limit of {limit:.0f} s'
+    elif status == 'failed':  # the exception's line, else the last one
         rec['error'] = next((l for l in reversed(tail) if 'Error' in l or 'error' in l), tail[-1] if tail else '')[:300]
+    if os.path.exists(path + '.tmp'):  # a write cut short by the kill: not one of the files that come back
+        os.remove(path + '.tmp')
     with open(path, 'w') as f:
         json.dump(rec, f, indent=1)
     with open(os.path.join(out, 'gpu_check.log'), 'a') as f:
@@ -161,6 +166,10 @@ def run_phase(i, name, limit, cfg_json):
 
 def main():
     cuda = device == 'cuda'
+    if cuda:
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit('no CUDA device: --device=cpu runs the same phases at the tests\' tiny sizes')
     shutil.rmtree(work_dir, ignore_errors=True)
     os.makedirs(work_dir)
     os.makedirs(out, exist_ok=True)

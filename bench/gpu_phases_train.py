@@ -4,8 +4,8 @@ Phases 3-5 of bench/gpu_check.py (0-2, and how a phase runs and records: bench/g
 3. update: one micro-step of a full fine-tune as train.py's step_loss runs it, under FSDP2 at world 1, with
    K and 2K blocks, each part timed apart; per-block slopes give 54 blocks and a rank of 8; MFU against
    bench.fullsize's FLOP table (results/fullsize.json); with velocity()'s bf16 autocast and without it.
-4. reward: VideoAlign's Qwen2-VL-2B at its real depth scoring four clips through models.videoalign.VideoAlign, and the
-   VAE at its released widths decoding one clip of each size.
+4. reward: VideoAlign's Qwen2-VL-2B at its real depth scoring four clips through models.videoalign.VideoAlign,
+   and the VAE at its released widths decoding one clip of each size.
 5. smoke: train.py itself with the tests' tiny models under torchrun (one GPU with NCCL; two CPU ranks
    with gloo): one iteration, then a resume that trains the next and exports; the export loaded back.
 """
@@ -22,7 +22,8 @@ from bench.gpu_phases import GiB, ROOT, clock, cuda, latents, peak_gib, prompt_t
 
 sys.path.insert(0, os.path.join(ROOT, 'tests'))  # the tests' tiny models (tiny_*.py)
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM, the vendor's datasheet: the MFU's denominator
-PARTS = ('anchor forward', 'forward', 'backward', 'clip', 'muon')
+PARTS = ('anchor forward', 'forward', 'backward', 'clip', 'muon')  # 'muon': the optimizer step, Muon + AdamW
+MICRO_STEPS = 32 // 8 * 20  # of a rank in an iteration at the defaults: 32 clips over 8 ranks x 20 trained steps
 
 
 # ----------------------------------------------------------------------------- 3. the update
@@ -127,8 +128,8 @@ def update(c, rec, save):
             net = opts = anchor = None
             if cuda(c):
                 torch.cuda.empty_cache()
+            rec['at_54_blocks_8_ranks'] = extrapolate(c, rec, K, depth, Fr, H, W)  # once both depths ran
             save()
-    rec['at_54_blocks_8_ranks'] = extrapolate(c, rec, K, depth, Fr, H, W)
     dist.destroy_process_group()
 
 
@@ -160,11 +161,11 @@ def extrapolate(c, rec, K, depth, Fr, H, W):
                           peak_gib_per_block=round((b[p]['peak_gib'] - a[p]['peak_gib']) / K, 3))
         micro = sum(row[p]['s'] for p in PARTS[:3])
         step = row['clip']['s'] + row['muon']['s']
-        row.update(micro_step_s=round(micro, 3), update_of_iteration_s=round(80 * micro + step, 1),
+        row.update(micro_step_s=round(micro, 3), update_of_iteration_s=round(MICRO_STEPS * micro + step, 1),
                    flops=flops, mfu=flops and round(flops / micro / (PEAK_TFLOPS * 1e12), 3),
                    mfu_of_measured_matmul=flops and matmul and round(flops / micro / (matmul * 1e12), 3))
         out['autocast' if amp else 'no_autocast'] = row
-    return out  # update_of_iteration_s: 4 clips a rank x 20 trained steps, one optimizer step
+    return out
 
 
 # ----------------------------------------------------------------------------- 4. the reward side
@@ -258,22 +259,26 @@ def smoke(c, rec, save):
     prompts, out = os.path.join(work, 'prompts.txt'), os.path.join(work, 'out')
     with open(prompts, 'w') as f:
         f.write('a red car drives at night\na cat walks on the grass\na dog runs in the park\na boat on a lake\n')
-    ranks = 1 if cuda(c) else 2
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}', 'train.py',
-           f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt}', f'--qwen_dir={qwen}',
-           '--eval_metrics=', f'--device={c["device"]}', '--num_frames=9', '--height=32', '--width=32', '--fps=8',
-           '--num_steps=2', '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2', '--train_batch=1',
-           '--eval_every=0', '--eval_videos=0', '--save_every=1', f'--train_prompts={prompts}',
-           f'--eval_prompts={prompts}', f'--out_dir={out}']  # train.py's own attention backend: the program as shipped
-    rec.update(ranks=ranks, backend='nccl' if cuda(c) else 'gloo', runs=[])
+    args = ['train.py', f'--model={root}', '--reward_model=videoalign', f'--videoalign_dir={ckpt}',
+            f'--qwen_dir={qwen}', '--eval_metrics=', f'--device={c["device"]}', '--num_frames=9', '--height=32',
+            '--width=32', '--fps=8', '--num_steps=2', '--prompts_per_iter=2', '--group_size=2', '--rollout_batch=2',
+            '--train_batch=1', '--eval_every=0', '--eval_videos=0', '--save_every=1', f'--train_prompts={prompts}',
+            f'--eval_prompts={prompts}', f'--out_dir={out}']  # train.py's own attention backend: the program as shipped
+    torchrun = lambda n: [sys.executable, '-m', 'torch.distributed.run', '--standalone',  # noqa: E731
+                          f'--nproc_per_node={n}']
+    # a GPU: one rank with NCCL both times; a CPU: 2 gloo ranks, then the resume in one plain process (another
+    # world size, as a checkpoint allows)
+    runs = (('train', torchrun(1 if cuda(c) else 2), ['--max_iters=1', '--export_dtype=']),
+            ('resume', torchrun(1) if cuda(c) else [sys.executable], ['--max_iters=2', '--init_from=resume']))
+    rec.update(backend='nccl' if cuda(c) else 'gloo', runs=[])
     env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
-    for name, extra in (('train', ['--max_iters=1', '--export_dtype=']),
-                        ('resume', ['--max_iters=2', '--init_from=resume', '--export_dtype=bfloat16'])):
+    for name, launch, extra in runs:
         log = os.path.join(c['work_dir'], f'smoke_{name}.log')
         t = clock(c)
         with open(log, 'w') as f:
-            p = subprocess.run(cmd + extra, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        rec['runs'].append(dict(name=name, rc=p.returncode, s=round(clock(c) - t, 1)))
+            p = subprocess.run(launch + args + extra, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        how = f"torchrun x{launch[-1].split('=')[1]}" if len(launch) > 1 else 'python'
+        rec['runs'].append(dict(name=name, how=how, rc=p.returncode, s=round(clock(c) - t, 1)))
         save()
         if p.returncode:
             print(open(log).read()[-6000:])

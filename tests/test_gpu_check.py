@@ -30,6 +30,7 @@ def test_a_phase_out_of_time_still_leaves_its_json(tmp_path):
     lines, recs, files = check(tmp_path, '--phases=drift,smoke', '--phase_timeout=3', '--deadline=4')
     assert files == ['1_drift.json', '5_smoke.json', 'gpu_check.log']
     assert recs['1_drift.json']['status'] == 'timeout' and recs['1_drift.json']['limit_s'] == 3
+    assert recs['1_drift.json']['error'] == 'killed at its limit of 3 s'
     assert recs['5_smoke.json']['status'] == 'skipped'  # 1 s left: not started
     assert [l.split(':')[0] for l in lines[:2]] == ['1 drift', '5 smoke']
 
