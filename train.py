@@ -5,8 +5,9 @@ What the defaults make of the objective: one optimizer step per rollout batch, s
 all through the update, the ratio is 1, the PPO clip never acts and the exact velocity KL is 0: the
 objective is REINFORCE weighted by the equalizer's S_t plus lambda_KL times the position KL to a
 moving anchor, and lambda_KL follows the paper's printed rule, which *relaxes* the penalty when the
-KL is high (docs/method.md 4.6, 5.5). The settings are the released defaults but for the released
-code's switches, argued in docs/method.md 6; a config file or --key=value overrides them.
+KL is high (docs/method.md 4.6, 5.5). The method's settings are the released defaults but for the
+released code's switches (docs/method.md 6); the scale's are one node's (config/released.py: the
+released run's). A config file or --key=value overrides them.
 
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)

@@ -8,7 +8,7 @@ own, masked keys, valid tokens) on each dispatcher backend the GPU has, with the
     python -m bench.attention --gpu             # one GPU: the timing -> results/attention_gpu.{md,json}
     python -m bench.attention --gpu --tiny --device=cpu   # the same at tiny size on a CPU (tests)
 
-bench/gpu_check.py runs the --gpu line as one of its phases.
+bench/gpu_check.py's attention phase times the same processor on every backend at the two sizes.
 
 FLOPs: one real-width block (16 heads x 128, bf16) runs on fake tensors under bench.fullsize_measure's
 FlopCount (torch's per-op formulas) with MaskedKeysAttention and with ValidTokensAttention, for a CFG
@@ -47,7 +47,7 @@ prompt = (256, 32)              # valid Qwen and ByT5 tokens of the prompt (ByT5
 negative = (8, 0)               # of the negative prompt (an empty prompt: a few tokens, no quoted text)
 text_cases = ((256, 32), (128, 0), (1000, 256))  # FLOP table: prompts (Qwen, ByT5), each with `negative`
 reps = 3                        # timed repetitions per processor and backend
-budget = 240                    # seconds: no new case starts after this (bench/gpu_check.py's phase limit: 300)
+budget = 240                    # seconds: no new case starts after this (the GPU's window is short)
 out = 'results/attention'       # writes out_flops.md, out_gpu.md and out_gpu.json
 config = configure(globals(), [a + '=True' if a in ('--gpu', '--tiny') else a for a in sys.argv[1:]]
                    if __name__ == '__main__' else [])

@@ -8,7 +8,7 @@ real size (no download), each part timed, its peak memory printed beside the est
     torchrun --nproc_per_node=8 -m bench.fullsize_gpu     # all GPUs: a full fine-tune micro-step (FSDP2)
     python -m bench.fullsize_gpu --tiny --device=cpu      # the check at tiny size on a CPU (tests/test_fullsize.py)
 
-bench/gpu_check.py runs it as its first phase. The clip, text, LoRA rank and model are the
+bench/gpu_check.py's update phase times one GPU's micro-step instead. The clip, text, LoRA rank and model are the
 estimate's settings (bench/fullsize_measure.py), set from this command line too.
 """
 import json
