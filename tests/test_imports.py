@@ -9,6 +9,7 @@ every importlib.import_module of a literal name):
 - models/ and extras/ import neither train.py nor sample.py, and extras/ is imported by no file of
   models/ or infra/ (an add-on stays one);
 - no file outside models/ imports a model family file (a family is picked by its model directory);
+- kvpo/ (KVPO, the streaming method) imports models/, infra/, reward.py and sde.py; nothing imports kvpo/;
 - no import circle between files;
 - a family file that lacks an item of the interface is one error that names the item.
 """
@@ -22,7 +23,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARD = {'sde.py', 'equalizer.py', 'trust_region.py', 'reward.py', 'train.py', 'sample.py'}
 METHOD = {'sde', 'equalizer', 'trust_region'}
-FOLDERS = ('models', 'infra', 'extras')
+FOLDERS = ('models', 'infra', 'extras', 'kvpo')
+KVPO_USES = ('models', 'infra', 'reward', 'sde', 'kvpo')  # what kvpo/ (a method beside the card) may import
 FAMILIES = {'models.hunyuan15', 'models.wan', 'models.toy'}
 REWARD_MODEL = 'models.videoalign'  # the one file of the folders reward.py imports
 
@@ -80,6 +82,10 @@ def violations(mods, deps):
                 bad.append(f'{m} imports the program {d}')
             if layer(m) in ('models', 'infra') and layer(d) == 'extras':
                 bad.append(f'{m} imports the add-on {d}')
+            if layer(d) == 'kvpo' and layer(m) != 'kvpo':
+                bad.append(f'{m} imports {d} (nothing imports kvpo/)')
+            if layer(m) == 'kvpo' and layer(d) not in KVPO_USES:
+                bad.append(f'{m} (kvpo) imports {d}')
             if d in FAMILIES and layer(m) != 'models':
                 bad.append(f'{m} names the model family {d}')
         if m in METHOD:
