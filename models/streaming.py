@@ -27,7 +27,8 @@ LAYOUT = dict(block=3,      # latent frames generated together
               sink=3,       # first frames of the video, always attended (the attention sink)
               window=12,    # frames a block attends to: the sink, recent frames, its own block
               timesteps=(1000, 750, 500, 250),  # the few-step sampler's steps, before the shift
-              shift=5.0)    # timestep shift: sigma = shift s / (1 + (shift - 1) s), s = t / 1000
+              shift=5.0,    # timestep shift: sigma = shift s / (1 + (shift - 1) s), s = t / 1000
+              renoise='fresh')  # between steps: fresh noise ('ode': the step's own, a deterministic Euler step)
 
 
 def sigmas(layout):
@@ -259,9 +260,12 @@ def generate(net, noise, context, gens=None, cache=None, on_block=None):
         for k, s in enumerate(sig):
             v = forward_block(net, x, torch.full((B,), s, device=x.device), context, cache, start).float()
             x0 = x.float() - s * v  # the step's prediction of the clean block
-            if k + 1 < len(sig):  # re-noise to the next step's sigma
-                z = torch.randn_like(x0) if gens is None else \
-                    torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0.device)
+            if k + 1 < len(sig):  # re-noise to the next step's sigma: fresh noise (the released sampler), or
+                if layout.get('renoise', 'fresh') == 'ode':  # the step's own noise x0 + v: an Euler step of the ODE
+                    z = x0 + v
+                else:
+                    z = torch.randn_like(x0) if gens is None else \
+                        torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0.device)
                 x = (1 - sig[k + 1]) * x0 + sig[k + 1] * z
         forward_block(net, x0, torch.zeros(B, device=x0.device), context, cache, start, write=True)  # context_noise 0
         out.append(x0)

@@ -3,7 +3,8 @@ Streaming Wan (models/streaming.py, models/wan_causal.py). python -m pytest test
 - generation block by block from the KV cache equals, block by block and step by step, one forward of
   diffusers' stock WanTransformer3DModel (its own WanAttnProcessor and RoPE) over the whole prefix with a
   block-causal mask written here, inside the window and past it (frames dropped, the sink kept); the
-  released layout (blocks of 3, sink 3, window 12, 21 latent frames) and a 1-frame one;
+  released layout (blocks of 3, sink 3, window 12, 21 latent frames) and a 1-frame one, with fresh noise
+  between steps (released) and with Euler steps of the ODE (the toy's);
 - the teacher-forced sequence (clean frames, then noisy ones) the toy trains on equals the cache;
 - the cache's save/restore and read/replace of chosen frames;
 - original Wan key names (written by hand in tiny_wan_causal.py) convert to diffusers' and round-trip,
@@ -79,14 +80,16 @@ def brute_force(ref, noise, text, layout, seeds):
                 v = ref(hidden_states=torch.cat(done + [x], 2), timestep=t, encoder_hidden_states=text,
                         return_dict=False)[0][:, :, start:end]
             x0 = x - sk * v
-            if k + 1 < len(sig):
-                z = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])
+            if k + 1 < len(sig):  # fresh noise (released), or the step's own noise x - x0 over sigma ('ode')
+                z = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]) \
+                    if layout.get('renoise', 'fresh') == 'fresh' else (x - (1 - sk) * x0) / sk
                 x = (1 - sig[k + 1]) * x0 + sig[k + 1] * z
         done.append(x0)
     return torch.cat(done, 2)
 
 
-@pytest.mark.parametrize('layout,frames', [(streaming.LAYOUT, 21), (SMALL, 7)], ids=['released', 'one_frame_blocks'])
+@pytest.mark.parametrize('layout,frames', [(streaming.LAYOUT, 21), (SMALL, 7), ({**SMALL, 'renoise': 'ode'}, 7)],
+                         ids=['released', 'one_frame_blocks', 'ode_steps'])
 def test_stream_equals_masked_full_forward(layout, frames):
     net, ref = tiny_pair(layout)
     noise = torch.randn(2, 4, frames, 4, 4, generator=torch.Generator().manual_seed(1))
