@@ -97,15 +97,15 @@ def denoise_block(net, context, cache, start, seed, shape, record=None):
     """One block from its noise to its clean x0, written to the cache (timestep 0); record: a list that
     gets the block's per-step (x_t, x0) pairs, each (1, C, f, h, w), for the replay."""
     sig, frames = streaming.sigmas(net.layout), list(range(start, start + net.layout['block']))
-    x = noise_at(seed, frames, 0, shape)
+    x = noise_at(seed, frames, 0, shape).to(context.device)
     for k, s in enumerate(sig):
-        v = streaming.forward_block(net, x, torch.full((1,), s), context, cache, start).float()
+        v = streaming.forward_block(net, x, torch.full((1,), s, device=x.device), context, cache, start).float()
         x0 = x - s * v  # the step's prediction of the clean block
         if record is not None:
             record.append((x, x0))
         if k + 1 < len(sig):
-            x = (1 - sig[k + 1]) * x0 + sig[k + 1] * noise_at(seed, frames, k + 1, shape)
-    streaming.forward_block(net, x0, torch.zeros(1), context, cache, start, write=True)
+            x = (1 - sig[k + 1]) * x0 + sig[k + 1] * noise_at(seed, frames, k + 1, shape).to(x0.device)
+    streaming.forward_block(net, x0, torch.zeros(1, device=x0.device), context, cache, start, write=True)
     return x0
 
 
@@ -143,12 +143,13 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
     layout, sig = net.layout, streaming.sigmas(net.layout)
     cache = streaming.KVCache(layout, keep=keep)
     cache.restore(state)  # references: the replay's writes replace, never touch, the rollout's tensors
-    score = torch.zeros(())
+    score = torch.zeros((), device=x.device)
     for b in range(x.shape[0]):
         start = fork + b * layout['block']
         for k, s in enumerate(sig):
             with torch.set_grad_enabled(torch.is_grad_enabled() and k < grad_steps):
-                v = streaming.forward_block(net, x[b, k][None], torch.full((1,), s), context, cache, start).float()
+                v = streaming.forward_block(net, x[b, k][None], torch.full((1,), s, device=x.device), context, cache,
+                                            start).float()
             pred = x[b, k][None] - s * v  # (1, C, f, h, w)
             if form == 'x0':
                 score = score - (x0[b, k][None] - pred).square().mean() / (2 * max(s, floor) ** 2)
@@ -156,7 +157,8 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
                 score = score - ((x[b, k] - x0[b, k])[None] / s - v).square().mean() / 2
         if b + 1 < x.shape[0]:
             with torch.no_grad():  # context_noise 0: the clean block at timestep 0 joins the cache
-                streaming.forward_block(net, pred.detach(), torch.zeros(1), context, cache, start, write=True)
+                streaming.forward_block(net, pred.detach(), torch.zeros(1, device=x.device), context, cache, start,
+                                        write=True)
     return score
 
 

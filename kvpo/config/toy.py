@@ -1,0 +1,31 @@
+# KVPO on the AR toy (models/toy_ar.py): the released method scaled to the toy's layout, on a CPU in minutes.
+#   python -m kvpo.train kvpo/config/toy.py
+#   torchrun --nproc_per_node=2 -m kvpo.train kvpo/config/toy.py
+# The toy's layout is the released one scaled down (block 1, sink 1, window 4; docs/streaming.md 5): a routed
+# block sees the sink, n_random = 4 - 1 - m_nearest = 2 older frames of its branch's and itself (m = 1).
+# One chunk of 9 frames: the local and the global reward score the same clip.
+model = 'assets/toy_ar'
+reward_model = 'world'          # the toy world's exact reward
+reward_weights = (0.5, 0.5, 1.0)  # Setting B, the toy's composite
+train_prompts = 'assets/toy_ar/train_prompts.txt'
+eval_prompts = 'assets/toy_ar/eval_prompts.txt'
+device = 'cpu'
+fps = 8
+lora_rank = 0                   # the whole tiny model trains
+group = 6                       # K: a fork late in the clip has up to 5 older frames to route to
+m_nearest = 1                   # the block itself (block 1)
+perturb_blocks = 2              # P: forks 4..7 of 9 frames
+frames = 9
+chunk_first = 9
+chunk_then = 9
+within_chunks = 1
+cache_frames = 9                # the whole clip: the pool is every frame between the sink and the fork
+global_clip = 9
+eval_frames = 9
+prompts_per_iter = 4            # 4 prompts an iteration (over all ranks)
+learning_rate = 1e-4            # a tiny model moves faster than 1.3B LoRA parameters
+ema_decay = 0.9                 # tens of iterations, not 1500
+max_iters = 30
+eval_every = 10
+save_every = 10
+out_dir = 'out-kvpo-toy'

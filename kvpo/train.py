@@ -1,0 +1,269 @@
+"""
+KVPO's loop (kvpo/kvpo.py, docs/kvpo.md) on a streaming video model (models/streaming.py): per rank one
+prompt an iteration (as released), its K routed branches and the anchor rolled out by the old policy,
+scored, their advantages against the anchor, the TVE softmax policy updated by one AdamW step.
+
+    python -m kvpo.train kvpo/config/toy.py                            # the AR toy, CPU, minutes
+    torchrun --nproc_per_node=2 -m kvpo.train kvpo/config/toy.py       # 2 gloo ranks, the same run
+    torchrun --nproc_per_node=8 -m kvpo.train kvpo/config/longlive.py  # LongLive 1.3B, one prompt a GPU
+
+What the defaults make of the objective: the rollout is the old policy's, synced to the current one every
+`old_every` (2) iterations, so the ratio is 1 and the clip inert at the first iteration after a sync and
+can move only at the second; pi_init (the KL's reference) is the frozen initial model, KL 0 until the
+weights move. Every rank holds the whole model and gradients are averaged (all-reduce), as released: each
+rank's fork differs, so its number of forwards does (FSDP's per-forward collectives would not match).
+Where this differs from the released code: one prompt segment (no prompt switches: the long video's
+global reward is one clip centred in it); VideoAlign's VQ/MQ/TA are the reward components (the released
+default is HPSv3, not ported); the held-out evaluation samples the EMA weights block by block (the
+family's generate) and scores them as train.py's (models/evaluate.py, its alarm included).
+Tested by: python -m pytest tests/test_kvpo_train.py
+"""
+import copy
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import reward
+from infra import checkpoint, parallel, rundir
+from infra.configurator import configure, one_of
+from infra.preemption import Preemption
+from infra.prompt_cache import read_prompts
+from kvpo import kvpo
+from models import family
+from models.evaluate import Alarm, HeldOut
+from models.policy import load_policy, seed_of
+
+# ----------------------------------------------------------------------------- the method (released values)
+group = 8                       # K: routed branches a prompt (plus one unrouted anchor)
+m_nearest = 4                   # nearest frames a routed block sees, its own block included
+perturb_blocks = 5              # P: consecutive routed blocks from the fork
+frames = 147                    # latent frames a rollout generates (the long-video setting)
+chunk_first = 21                # latent frames of the first chunk
+chunk_then = 18                 # latent frames of each later chunk
+within_chunks = 7               # a fork is drawn from the blocks of the first chunks
+cache_frames = 33               # frames the KV cache holds: the window and 21 more (the routing pool)
+grad_steps = 2                  # of the 4 denoising steps, the first ones carry gradient in the replay
+score_form = 'x0'               # TVE: 'x0' (weight 1 / 2 max(sigma, 1)^2) | 'velocity' (1 / 2)
+reward_weights = (1.0, 0.05, 0.1)  # (VQ, MQ, TA): each component's advantage weight
+train_local = True              # the fork chunk's reward (the short clip)
+train_global = True             # the long video's reward (a clip of global_clip frames in its middle)
+global_clip = 9                 # latent frames of the global reward's clip (36 video frames)
+local_weight = 1.0              # fused advantage: local_weight A_loc / std + global_weight A_glob / std
+global_weight = 0.5
+adv_clamp = 2.5                 # the fused advantage is clamped to +-adv_clamp
+clip_low = 0.9                  # ratio clip: [clip_low, clip_high] (asymmetric)
+clip_high = 1.2
+kl_coef = 10.0                  # weight of KL(pi_theta || pi_init) on the branch simplex
+gate = 'mechanism_2'            # unsafe prompt: 'mechanism_2' anchor slot (loss x 1/2) | 'mechanism_1' loss 0
+old_every = 2                   # iterations between syncs of the old (rollout) policy
+learning_rate = 1e-5            # AdamW, constant after the warm-up
+warmup = 5                      # optimizer steps of linear learning-rate warm-up
+weight_decay = 0.01
+grad_clip = 1.0                 # global gradient-norm clip
+ema_decay = 0.999               # the evaluated weights: an exponential average of the trained ones
+max_iters = 1500                # iterations (one optimizer step each)
+prompts_per_iter = 8            # prompts an iteration over all ranks (released: one a GPU)
+# ----------------------------------------------------------------------------- model, data, plumbing
+model = 'weights/LongLive'      # a streaming model directory (python -m models.wan_causal)
+lora_rank = 256                 # LoRA rank (alpha = rank) on the generator; 0: full fine-tuning
+reward_model = 'videoalign'     # 'videoalign' | 'world': the model's own (the toy's)
+videoalign_dir = 'weights/VideoReward'
+qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
+train_prompts = 'prompts/train.txt'
+eval_prompts = 'prompts/eval.txt'
+eval_frames = 21                # latent frames of a held-out sample (one chunk)
+eval_every = 2                  # iterations between held-out evaluations (and at start and end; 0: never)
+eval_samples = 1                # seeds per held-out prompt
+alarm_z = 2.0                   # reward-hacking alarm: standard errors a watcher must move
+fps = 16
+out_dir = 'out-kvpo'
+init_from = 'auto'              # 'auto': continue out_dir's run, else new | 'scratch' | 'resume'
+save_every = 2                  # iterations between checkpoints (and at the end and on SIGTERM)
+keep_checkpoints = 2
+device = 'cuda'
+dist_timeout = 10.0             # minutes a collective waits
+seed = 42
+config = configure(globals(), rules=dict(gate=one_of('mechanism_2', 'mechanism_1'),
+                                         score_form=one_of('x0', 'velocity')))
+
+# ----------------------------------------------------------------------------- setup
+ddp, rank, world, device = parallel.init(device, dist_timeout)
+master = rank == 0
+assert prompts_per_iter % world == 0, f'prompts_per_iter={prompts_per_iter} must divide over {world} ranks'
+torch.set_num_threads(1) if device == 'cpu' else None  # reproducible, and fair on a shared CPU
+preemption = Preemption(rank, device)
+ckpts, history = rundir.claim(config, master)
+fam = family(model)
+policy = load_policy(model, device, lora_rank=lora_rank).train()  # a whole replica on every rank
+old, init, ema = (copy.deepcopy(policy).eval().requires_grad_(False) for _ in range(3))
+trained = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+ema_p, old_p = dict(ema.named_parameters()), dict(old.named_parameters())
+encode, decode = fam.text_encoder(model, device), fam.load_decoder(model, device)
+reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device,
+                                           (getattr(fam, 'reward', None), getattr(fam, 'manifold_distance', None)))
+C, _, h, w = fam.latent_shape(model, fam.DEFAULTS['num_frames'], fam.DEFAULTS['height'], fam.DEFAULTS['width'])
+opt = torch.optim.AdamW([p for _, p in trained], lr=learning_rate, weight_decay=weight_decay)
+weights = dict(zip(reward.DIMS, reward_weights))
+train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompts)[0]
+layout = policy.layout
+
+
+class Copies:
+    """The EMA and old-policy weights, saved and resumed with the checkpoints (checkpoint's 'anchor')."""
+    def state_dict(self):
+        return {f'{tag}.{n}': d[n].data for tag, d in (('ema', ema_p), ('old', old_p)) for n, _ in trained}
+
+
+alarm = Alarm(alarm_z)
+loop = checkpoint.resume(ckpts, policy, opt, Copies())
+iter_num = loop['iter_num'] if loop else 0
+if loop:
+    alarm.load_state_dict(loop['alarm'])
+held = HeldOut(eval_list, eval_samples, seed=seed, sigmas=None, cfg=1.0, shape=None, text_for=None, batch=1,
+               decode=decode, reward_fn=reward_fn, reward_weights=reward_weights, manifold_distance=manifold_distance,
+               visual={}, move_visual=lambda *a: None, fps=fps, out_dir=out_dir, videos=0, dp_rank=rank,
+               dp_world=world, leads=True, passes={}, preemption=preemption, device=device)  # for its score()
+log = rundir.Log(out_dir, master)
+log.line = lambda r: ' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in r.items())
+if master:
+    rundir.record(out_dir, history, config, iter_num, world)
+checkpoint.forget_after(out_dir, iter_num)
+
+
+# ----------------------------------------------------------------------------- the phases
+def my_prompts(it):
+    """(index, prompt) of this rank's prompts at iteration it: a seeded draw over all ranks."""
+    g = torch.Generator().manual_seed(seed_of(seed, 'prompts', it) % 2 ** 63)
+    pick = torch.randint(len(train_list), (prompts_per_iter,), generator=g).tolist()
+    return [(j, train_list[pick[j]]) for j in range(rank, prompts_per_iter, world)]
+
+
+def rollout(it, j, prompt):
+    """One prompt's routing plan and its K branches + anchor from the old policy (kvpo.rollout)."""
+    ctx = fam.context(encode([prompt])).to(device)
+    s = seed_of(seed, 'rollout', it, j) % 2 ** 31
+    plan = kvpo.plan(frames, layout, group, m_nearest, perturb_blocks, cache_frames, s, chunk_first, chunk_then,
+                     within_chunks)
+    clips, traj, state = kvpo.rollout(old, ctx, frames, (C, h, w), plan, s, m_nearest, perturb_blocks, cache_frames)
+    return dict(ctx=ctx, plan=plan, clips=clips, traj=traj, state=state, prompt=prompt)
+
+
+@torch.no_grad()
+def score(g):
+    """{signal: {component: (K + 1,)}}: the fork chunk's clip (local) and a clip in the video's middle (global)."""
+    a, b = next((a, b) for a, b in kvpo.chunks(frames, chunk_first, chunk_then) if a <= g['plan']['fork'] < b)
+    mid = max(0, min(frames - global_clip, frames // 2 - global_clip // 2))
+    out = {}
+    for name, on, (lo, hi) in (('local', train_local, (a, b)), ('global', train_global, (mid, mid + global_clip))):
+        if on:
+            sc = reward_fn(decode(g['clips'][:, :, lo:hi]), [g['prompt']] * (group + 1), fps)
+            out[name] = {k: sc[k].float().cpu() for k in reward.DIMS}
+    return out
+
+
+def advantages(sc):
+    """(fused advantage (K,), safe): per signal sum_c w_c (r_c - r_c anchor) / std, fused, clamped."""
+    adv = {s: kvpo.component_advantage({c: r[:-1] for c, r in v.items()}, {c: r[-1] for c, r in v.items()}, weights)
+           for s, v in sc.items()}
+    total = {s: reward.combine(v, reward_weights) for s, v in sc.items()}  # (K + 1,) composite a signal
+    safe = kvpo.safe([(r[:-1], r[-1]) for r in total.values()])  # any branch beats the anchor on any signal
+    return kvpo.fuse(adv.get('local'), adv.get('global'), local_weight, global_weight, adv_clamp), safe
+
+
+def update(groups, it):
+    """One AdamW step on the mean loss of all ranks' prompts: old and initial replays without grad, the
+    current one through the first grad_steps steps; gradients averaged over the ranks."""
+    opt.zero_grad(set_to_none=False)
+    stats = []
+    for g in groups:
+        replay = lambda net, steps: kvpo.scores(net, g['ctx'], g['state'], g['plan']['fork'], g['traj'],
+                                                cache_frames, steps, score_form)
+        with torch.no_grad():
+            s_old, s_init = replay(old, 0), replay(init, 0)
+        s = replay(policy, grad_steps)
+        loss, st = kvpo.loss(s, s_old, s_init, g['adv'], g['safe'], (clip_low, clip_high), kl_coef, gate)
+        (loss / len(groups)).backward()
+        stats.append(dict(st, loss=loss.item()))
+    for _, p in trained:  # the mean over ranks (each rank's prompts already averaged)
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        if ddp:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    any_safe = torch.tensor([float(any(g['safe'] for g in groups))], device=device)
+    if ddp:
+        dist.all_reduce(any_safe, op=dist.ReduceOp.MAX)
+    gnorm = torch.nn.utils.clip_grad_norm_([p for _, p in trained], grad_clip).item()
+    if gate == 'mechanism_2' or any_safe.item() > 0:  # mechanism_1: a step no rank finds safe is skipped
+        for grp in opt.param_groups:
+            grp['lr'] = learning_rate * min(1.0, (it + 1) / warmup)
+        opt.step()
+        preemption.stepped()
+        with torch.no_grad():
+            for n, p in trained:
+                ema_p[n].lerp_(p, 1 - ema_decay)
+    if (it + 1) % old_every == 0:  # the rollout policy catches up
+        with torch.no_grad():
+            for n, p in trained:
+                old_p[n].copy_(p)
+    return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} | dict(grad_norm=gnorm)
+
+
+@torch.no_grad()
+def held_out(it):
+    """The EMA weights on the held-out prompts x eval_samples, block by block; scored and watched as train.py's."""
+    items = len(eval_list) * eval_samples
+    rows = []
+    for i in range(rank, -(-items // world) * world, world):  # padded: every rank the same number of forwards
+        gen = torch.Generator().manual_seed(seed_of(seed, 'eval', i) % 2 ** 63)
+        noise = torch.randn((1, C, eval_frames, h, w), generator=gen).to(device)
+        prompt = eval_list[i % len(eval_list)]
+        x = fam.generate(ema, noise, encode([prompt]), [gen])
+        if i < items:
+            rows += [(i, held.score(x, [prompt])[0])]
+    if ddp:
+        parts = [None] * world
+        dist.all_gather_object(parts, rows)
+        rows = [r for p in parts for r in p]
+    rows = [r for _, r in sorted(rows, key=lambda r: r[0])]
+    watch, line = alarm(it, rows)
+    if line and master:
+        print(line)
+    return {f'eval_{k}': sum(r[k] for r in rows) / len(rows) for k in rows[0]} | watch
+
+
+def save_checkpoint():
+    path = os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}')
+    loop = dict(iter_num=iter_num, config=config, alarm=alarm.state_dict())
+    return checkpoint.save(path, policy, opt, Copies().state_dict(), loop, keep_checkpoints)
+
+
+# ----------------------------------------------------------------------------- the loop
+while True:
+    if eval_every and (iter_num % eval_every == 0 or iter_num == max_iters):
+        log(dict(iter=iter_num) | held_out(iter_num))
+    if iter_num == max_iters or preemption.requested(device):
+        save_checkpoint()
+        break
+    if save_every and iter_num % save_every == 0 and iter_num:
+        save_checkpoint()
+    preemption.begin(save_checkpoint)  # a SIGTERM from here saves the last finished iteration
+    t0 = time.time()
+    groups = [rollout(iter_num, j, p) for j, p in my_prompts(iter_num)]  # one a rank as released
+    for g in groups:
+        g['scores'] = score(g)
+        g['adv'], g['safe'] = advantages(g['scores'])
+    t1 = time.time()
+    st = update(groups, iter_num)
+    r = {s: parallel.mean(sum(reward.combine(g['scores'][s], reward_weights)[:-1].mean() for g in groups)
+                          / len(groups), device) for s in groups[0]['scores']}
+    anchor = {s: parallel.mean(sum(reward.combine(g['scores'][s], reward_weights)[-1] for g in groups)
+                               / len(groups), device) for s in groups[0]['scores']}
+    iter_num += 1
+    log(dict(iter=iter_num, **{f'reward_{s}': v for s, v in r.items()}, **{f'anchor_{s}': v for s, v in anchor.items()},
+             **{k: parallel.mean(v, device) for k, v in st.items()}, safe=parallel.mean(
+                 sum(g['safe'] for g in groups) / len(groups), device),
+             fork=groups[0]['plan']['fork'], t_rollout=t1 - t0, t_update=time.time() - t1))
+parallel.close()
