@@ -130,12 +130,13 @@ runpy.run_path('train.py', run_name='__main__')
 '''
 
 
-def hand_count(iters, evals, world=1, P=2, G=2, steps=N, n_train=2, cfg=1.0, diag=True, n_eval=16):
+def hand_count(iters, evals, world=1, P=2, G=2, steps=N, n_train=2, cfg=1.0, diag=True, n_eval=16, updates=1):
     """Transformer passes (clips x CFG branches) by kind after `iters` iterations and `evals` held-out
     evaluations, counted by hand from the settings (dual KL: one anchor forward per trained step)."""
     b = 2 if cfg != 1.0 else 1
     per_diag = 4 * world * b if diag else 0  # first, last, and the middle step twice (policy, KL): 1 clip a rank
-    return dict(rollout=iters * P * G * steps * b, anchor=iters * P * G * n_train * b, update=iters * P * G * n_train * b,
+    old = iters * P * G * n_train * b if updates > 1 else 0  # recompute_old: the old log-probs in the update's shape
+    return dict(rollout=iters * P * G * steps * b, old=old, anchor=iters * P * G * n_train * b, update=iters * P * G * n_train * b,
                 diag_anchor=iters * per_diag, diag=iters * per_diag, eval=evals * n_eval * steps * b)
 
 

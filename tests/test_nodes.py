@@ -76,7 +76,8 @@ def test_hsdp_2x2_sp2_equals_one_process_and_checkpoints_hold_every_shard(tmp_pa
     assert [sorted(r) for r in ra] == [sorted(r) for r in rb] and any('gnorm_first' in r for r in ra)
     for a, b in zip(ra, rb):  # Muon's bf16 Newton-Schulz: figures that measure the move within 1e-3
         for k in set(a) - set(SKIP):
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6 if k == 'ratio_max' else 1e-10), (a['iter'], k)
+            noise = k in ('ratio_max', 'logp_drift_mean', 'logp_drift_max')  # float noise at theta_old
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6 if noise else 1e-10), (a['iter'], k)
     # every rank's shard is listed with its size and crc32; nothing temporary is left on any node
     newest = os.path.join(two, 'ckpt_000003')
     files = checkpoint.read_loop(newest)['files']
