@@ -162,10 +162,12 @@ if metrics_table:
     except (OSError, ValueError) as e:  # the videos and the sheet are written: say what is missing
         print(f'no metrics table: {e}')
         reward_fn = None
+    run = checkpoint_lib.read_loop(models[-1][1])['config'] if models[-1][1] else {}
+    weights = tuple(run.get('reward_weights', SETTING_B))  # no checkpoint: Setting B, train.py's
     table, composite = {}, {}
     for (name, _), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
         sc = reward_fn(frames, clip_prompts, fps)
-        sc['composite'] = combine(sc, SETTING_B)  # (0.5, 0.5, 1) x (VQ, MQ, TA), train.py's default
+        sc['composite'] = combine(sc, weights)  # the run's (VQ, MQ, TA) weights, as it was trained
         if manifold_distance is not None:
             sc['manifold'] = manifold_distance(frames)
         sc.update({k: fn(frames, clip_prompts) for k, fn in visual.items()})  # (B,): frame means

@@ -97,3 +97,19 @@ def test_better_and_worse_judge_each_watcher_by_its_wrong_way(tmp_path, monkeypa
     for k in ('VQ', 'MQ', 'TA', 'composite', 'manifold'):
         d = (table['aligned'][k] - table['base'][k]) * (-1 if k == 'manifold' else 1)
         assert (k in better, k in worse) == (d > 0, d < 0), (k, d, better, worse)
+
+
+def test_the_composite_is_the_runs_own(tmp_path, monkeypatch):
+    # a Setting A run (weights 1, 1, 1): sample.py's composite of both models is VQ + MQ + TA, the weights the
+    # checkpoint was trained with, not train.py's default Setting B (0.5 VQ + 0.5 MQ + TA)
+    ckpt = str(tmp_path / 'ck')
+    run_here(monkeypatch, SMALL + [f'--out_dir={ckpt}', '--max_iters=1', '--reward_weights=(1.0, 1.0, 1.0)'])
+    out = str(tmp_path / 'samples')
+    run_here(monkeypatch, ['sample.py', f'--checkpoint={ckpt}', f'--out_dir={out}', '--num_prompts=2', '--samples=1',
+                           '--num_steps=2'])
+    with open(os.path.join(out, 'metrics.json')) as f:
+        table = json.load(f)
+    for m in ('base', 'aligned'):
+        r = table[m]
+        assert math.isclose(r['composite'], r['VQ'] + r['MQ'] + r['TA'], rel_tol=1e-5), r
+        assert not math.isclose(r['composite'], 0.5 * r['VQ'] + 0.5 * r['MQ'] + r['TA'], rel_tol=1e-3), r
