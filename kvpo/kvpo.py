@@ -135,11 +135,26 @@ def rollout(net, context, frames, shape, routing, seed, m, P, keep):
 
 
 # ----------------------------------------------------------------------------- TVE, the branch's score
-def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1.0):
+def _forward(net, x, s, context, cache, start, checkpoint):
+    """forward_block; checkpoint: keep only its inputs for backward and recompute it there, from the cache
+    as it was (a snapshot of references: the replay goes on writing to the cache meanwhile)."""
+    if not (checkpoint and torch.is_grad_enabled()):
+        return streaming.forward_block(net, x, s, context, cache, start)
+    snap, layout, keep = cache.save(), cache.layout, cache.keep
+
+    def run(x):
+        c = streaming.KVCache(layout, keep=keep)
+        c.restore(snap)
+        return streaming.forward_block(net, x, s, context, c, start)
+    return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+
+
+def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1.0, checkpoint=False):
     """s = sum_{b,k} -mean((x0[b,k] - x0_net(x[b,k], t_k))^2) / (2 max(sigma_k, floor)^2) of one branch's
     trajectory x, x0 (P, S, C, f, h, w), replayed by `net` from the state before the fork, routing off;
     between blocks the cache takes net's own last x0 (detached); steps >= grad_steps run without grad.
-    form 'velocity': -mean((v_branch - v_net)^2) / 2, v_branch = (x - x0) / sigma."""
+    form 'velocity': -mean((v_branch - v_net)^2) / 2, v_branch = (x - x0) / sigma. checkpoint: activations
+    recomputed in backward (a grad forward of the 1.3B model holds ~10-20 GiB: results/kvpo_memory.md)."""
     layout, sig = net.layout, streaming.sigmas(net.layout)
     cache = streaming.KVCache(layout, keep=keep)
     cache.restore(state)  # references: the replay's writes replace, never touch, the rollout's tensors
@@ -148,8 +163,8 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
         start = fork + b * layout['block']
         for k, s in enumerate(sig):
             with torch.set_grad_enabled(torch.is_grad_enabled() and k < grad_steps):
-                v = streaming.forward_block(net, x[b, k][None], torch.full((1,), s, device=x.device), context, cache,
-                                            start).float()
+                v = _forward(net, x[b, k][None], torch.full((1,), s, device=x.device), context, cache, start,
+                             checkpoint).float()
             pred = x[b, k][None] - s * v  # (1, C, f, h, w)
             if form == 'x0':
                 score = score - (x0[b, k][None] - pred).square().mean() / (2 * max(s, floor) ** 2)
@@ -162,10 +177,27 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
     return score
 
 
-def scores(net, context, state, fork, traj, keep, grad_steps=2, form='x0'):
+def scores(net, context, state, fork, traj, keep, grad_steps=2, form='x0', checkpoint=False):
     """(K,) TVE of every branch under `net`."""
-    return torch.stack([tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form)
+    return torch.stack([tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form,
+                            checkpoint=checkpoint)
                         for g in range(traj['x'].shape[0])])
+
+
+def backward(net, context, state, fork, traj, keep, objective, grad_steps=2, form='x0', scale=1.0, checkpoint=False):
+    """Backpropagate scale x objective(s) -> (loss, stats), s the branches' scores (K,) under net, into net's
+    gradients holding one branch's replay graph at a time: dL/dtheta = sum_g dL/ds_g ds_g/dtheta, exactly
+    (one more replay without grad: the scores first). Returns (loss, stats), the loss unscaled."""
+    with torch.no_grad():
+        s = scores(net, context, state, fork, traj, keep, 0, form)
+    s.requires_grad_()
+    total, stats = objective(s)
+    (d,) = torch.autograd.grad(total * scale, s)  # (K,) dL/ds_g
+    for g in range(len(s)):
+        if d[g] != 0:  # a gated prompt (mechanism_1) costs no replay
+            (d[g] * tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form,
+                        checkpoint=checkpoint)).backward()
+    return total.detach(), stats
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -57,6 +57,8 @@ adv_clamp = 2.5                 # the fused advantage is clamped to +-adv_clamp
 clip_low = 0.9                  # ratio clip: [clip_low, clip_high] (asymmetric)
 clip_high = 1.2
 kl_coef = 10.0                  # weight of KL(pi_theta || pi_init) on the branch simplex
+branch_backward = True          # backprop one branch's replay at a time (exact, one more replay; released: all)
+activation_checkpointing = True  # recompute a replay forward's activations in backward (released: on)
 gate = 'mechanism_2'            # unsafe prompt: 'mechanism_2' anchor slot (loss x 1/2) | 'mechanism_1' loss 0
 old_every = 2                   # iterations between syncs of the old (rollout) policy
 learning_rate = 1e-5            # AdamW, constant after the warm-up
@@ -179,13 +181,17 @@ def update(groups, it):
     opt.zero_grad(set_to_none=False)
     stats = []
     for g in groups:
-        replay = lambda net, steps: kvpo.scores(net, g['ctx'], g['state'], g['plan']['fork'], g['traj'],
-                                                cache_frames, steps, score_form)
+        args = (g['ctx'], g['state'], g['plan']['fork'])
         with torch.no_grad():
-            s_old, s_init = replay(old, 0), replay(init, 0)
-        s = replay(policy, grad_steps)
-        loss, st = kvpo.loss(s, s_old, s_init, g['adv'], g['safe'], (clip_low, clip_high), kl_coef, gate)
-        (loss / len(groups)).backward()
+            s_old, s_init = (kvpo.scores(net, *args, g['traj'], cache_frames, 0, score_form) for net in (old, init))
+        objective = lambda s: kvpo.loss(s, s_old, s_init, g['adv'], g['safe'], (clip_low, clip_high), kl_coef, gate)
+        if branch_backward:  # one branch's replay graph at a time (exact: kvpo.backward)
+            loss, st = kvpo.backward(policy, *args, g['traj'], cache_frames, objective, grad_steps, score_form,
+                                     scale=1 / len(groups), checkpoint=activation_checkpointing)
+        else:  # every branch's graph at once, as released (which checkpoints activations)
+            loss, st = objective(kvpo.scores(policy, *args, g['traj'], cache_frames, grad_steps, score_form,
+                                             activation_checkpointing))
+            (loss / len(groups)).backward()
         stats.append(dict(st, loss=loss.item()))
     for _, p in trained:  # the mean over ranks (each rank's prompts already averaged)
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad

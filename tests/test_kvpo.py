@@ -7,7 +7,8 @@ KVPO's method (kvpo/kvpo.py) against references written here. python -m pytest t
   older frames and the cached ones of its m nearest, the window's size in all; a branch routed as the
   window is the anchor bit for bit, and the prefix is shared;
 - TVE against a brute-force replay (one masked full forward of every earlier frame per block and step):
-  its value, the velocity form, the gradient through the first 2 of 4 steps only;
+  its value, the velocity form, the gradient through the first 2 of 4 steps only; the backward one branch
+  at a time, with activations recomputed or not, equal to all at once;
 - advantages against the anchor per component (statistics.stdev), fusion (pstdev) and the clamp;
 - the loss and its gradient on a 3-branch example by hand (one branch clipped above, one below), the
   log-ratio clamp, the safety gate in both released states, the KL against torch.distributions.
@@ -164,6 +165,26 @@ def test_tve_against_brute_force_replay_and_gradient_steps():
     w, gg, ff = flat(want), flat(got), flat(full)
     assert (gg - w).norm() < 1e-4 * w.norm() and w.norm() > 0
     assert (ff - gg).norm() > 1e-3 * ff.norm()  # steps 3 and 4 would add gradient: they are cut
+
+
+def test_backward_one_branch_at_a_time_and_checkpointed_equals_all_at_once():
+    net, ctx, fork, clips, traj, state = toy_case(older=[[1, 3], [2, 4], [1, 4]])
+    g = torch.Generator().manual_seed(0)
+    s_old, s_init, adv = torch.randn(3, generator=g), torch.randn(3, generator=g), torch.tensor([0.5, -1.0, 0.2])
+    objective = lambda s: kvpo.loss(s, s_old, s_init, adv, is_safe=True)
+    params = [p for p in net.parameters() if p.requires_grad]
+    total, _ = objective(kvpo.scores(net, ctx, state, fork, traj, 9, grad_steps=2))
+    total.backward()
+    grads = lambda: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    want = grads()
+    net.zero_grad()
+    for checkpoint in (False, True):  # and the activations recomputed in backward, from the cache as it was
+        net.zero_grad()
+        got_total, _ = kvpo.backward(net, ctx, state, fork, traj, 9, objective, grad_steps=2, checkpoint=checkpoint)
+        got = grads()
+        assert abs(got_total.item() - total.item()) < 1e-6
+        num = sum((a - b).square().sum() for a, b in zip(got, want)).sqrt()
+        assert num < 1e-5 * sum(a.square().sum() for a in want).sqrt()
 
 
 def test_anchor_advantage_per_component_fusion_and_clamp():

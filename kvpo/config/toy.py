@@ -29,3 +29,4 @@ max_iters = 30
 eval_every = 10
 save_every = 10
 out_dir = 'out-kvpo-toy'
+activation_checkpointing = False  # a 3-layer toy: activations are tiny

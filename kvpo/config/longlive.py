@@ -1,0 +1,34 @@
+# KVPO on LongLive (Wan 2.1 T2V 1.3B, block-causal) as released (SPEC section 12; configs/train_kvpo_longlive.yaml):
+#   python -m models.wan_causal weights/LongLive --wan=weights/Wan2.1-T2V-1.3B \
+#       --generator=weights/LongLive-ckpt/models/longlive_base.pt --lora=weights/LongLive-ckpt/models/lora.pt
+#   torchrun --nproc_per_node=8 -m kvpo.train kvpo/config/longlive.py
+# Per-GPU memory: results/kvpo_memory.md. Everything not set here is kvpo/train.py's default (the released value).
+model = 'weights/LongLive'
+device = 'cuda'
+lora_rank = 256                 # LoRA r 256, alpha 256 on the generator
+group = 8                       # K = G = 8 branches + the anchor, one prompt a GPU
+prompts_per_iter = 8            # 8 GPUs
+m_nearest = 4
+perturb_blocks = 5
+frames = 147                    # the long-video setting: 21, then +18 a chunk
+chunk_first = 21
+chunk_then = 18
+within_chunks = 7
+cache_frames = 33               # local_attn_size 12 + slice_last_frames 21
+grad_steps = 2                  # log_prob_grad_steps
+reward_model = 'videoalign'     # released default: HPSv3 alone (not ported); VideoAlign VQ/MQ/TA instead
+reward_weights = (1.0, 0.05, 0.1)  # the released config's VideoAlign weights (VQ 1.0, MQ 0.05, TA 0.1)
+global_clip = 9                 # long_reward_normal_clip_len 36 video frames = 9 latent frames
+learning_rate = 1e-5
+warmup = 5
+weight_decay = 0.01
+grad_clip = 1.0
+ema_decay = 0.999
+old_every = 2                   # gradient_accumulation_steps 2: the old policy syncs every 2 rollouts
+max_iters = 1500
+eval_every = 2
+save_every = 2
+eval_frames = 21                # held-out samples: one chunk (81 video frames)
+fps = 16
+seed = 42
+out_dir = 'out-kvpo-longlive'
