@@ -176,12 +176,12 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noi
 
 
 def sample(velocity, x, sigmas, kind, eta, generators, keep=False, window=None, boundary=None):
-    """The rollout: integrate x (B, ...) from sigmas[0] down to sigmas[-1] with step() of this kind (at
-    the steps in `window` only, if given: ODE steps elsewhere). velocity(x, s) -> v, s (B,) the sigmas;
-    generators: one per sample, its own noise stream, so a clip's rollout does not depend on how
-    clips are batched. Returns the final latents and, if keep, what training needs of every step:
-    xs (B, N+1, ...), means (B, N, ...), logps (B, N), stds (B, N) (an ODE step: std 0 and logp 0; it
-    has no log-probability and is never trained). boundary(): called before each step's forward."""
+    """The rollout: integrate x (B, ...) from sigmas[0] down to sigmas[-1] with step() of this kind
+    (at the steps in `window` only, if given: ODE steps elsewhere). velocity(x, s) -> v, s (B,)
+    the sigmas; generators: one per sample, its own noise stream, so a clip's rollout does not
+    depend on how clips are batched. Returns the final latents and, if keep, what training needs of
+    every step: xs (B, N+1, ...), means (B, N, ...), logps (B, N), stds (B, N) (an ODE step: std 0,
+    logp 0; it has no log-probability and is never trained). boundary(): before each forward."""
     B, N = x.shape[0], len(sigmas) - 1
     xs, means, logps, stds = [x], [], [], []
     for i in range(N):
