@@ -132,7 +132,7 @@ log = rundir.Log(out_dir, master)
 log.line = lambda r: ' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in r.items())
 if master:
     rundir.record(out_dir, history, config, iter_num, world)
-checkpoint.forget_after(out_dir, iter_num)
+checkpoint.forget_after(out_dir, iter_num, eval_owed=True)  # a checkpoint precedes its iteration's evaluation
 
 
 # ----------------------------------------------------------------------------- the phases
@@ -248,13 +248,13 @@ def save_checkpoint():
 
 # ----------------------------------------------------------------------------- the loop
 while True:
+    if iter_num == max_iters or (save_every and iter_num % save_every == 0 and iter_num):
+        save_checkpoint()  # before the evaluation: a run resumed here evaluates this iteration again
     if eval_every and (iter_num % eval_every == 0 or iter_num == max_iters):
         log(dict(iter=iter_num) | held_out(iter_num))
     if iter_num == max_iters or preemption.requested(device):
-        save_checkpoint()
+        save_checkpoint()  # nothing to write if this iteration's is published
         break
-    if save_every and iter_num % save_every == 0 and iter_num:
-        save_checkpoint()
     preemption.begin(save_checkpoint)  # a SIGTERM from here saves the last finished iteration
     t0 = time.time()
     groups = [rollout(iter_num, j, p) for j, p in my_prompts(iter_num)]  # one a rank as released
@@ -268,7 +268,7 @@ while True:
     anchor = {s: parallel.mean(sum(reward.combine(g['scores'][s], reward_weights)[-1] for g in groups)
                                / len(groups), device) for s in groups[0]['scores']}
     iter_num += 1
-    log(dict(iter=iter_num, **{f'reward_{s}': v for s, v in r.items()}, **{f'anchor_{s}': v for s, v in anchor.items()},
+    log(dict(iter=iter_num, reward=next(iter(r.values())), **{f'reward_{s}': v for s, v in r.items()}, **{f'anchor_{s}': v for s, v in anchor.items()},
              **{k: parallel.mean(v, device) for k, v in st.items()}, safe=parallel.mean(
                  sum(g['safe'] for g in groups) / len(groups), device),
              fork=groups[0]['plan']['fork'], t_rollout=t1 - t0, t_update=time.time() - t1))
