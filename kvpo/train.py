@@ -217,6 +217,20 @@ def update(groups, it):
     return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} | dict(grad_norm=gnorm)
 
 
+def log_iteration(it, groups, st, times):
+    """The iteration's row: the branches' and the anchor's mean composite per signal over all ranks (reward:
+    the first signal's), the loss's figures, the safe fraction, rank 0's first fork, the times."""
+    mean = lambda f: parallel.mean(sum(f(g) for g in groups) / len(groups), device)  # noqa: E731
+    row = dict(iter=it)
+    for s in groups[0]['scores']:
+        row[f'reward_{s}'] = mean(lambda g: reward.combine(g['scores'][s], reward_weights)[:-1].mean().item())
+        row[f'anchor_{s}'] = mean(lambda g: reward.combine(g['scores'][s], reward_weights)[-1].item())
+    row['reward'] = row[f'reward_{next(iter(groups[0]["scores"]))}']
+    row.update({k: parallel.mean(v, device) for k, v in st.items()}, safe=mean(lambda g: float(g['safe'])),
+               fork=groups[0]['plan']['fork'], **times)
+    log(row)
+
+
 @torch.no_grad()
 def held_out(it):
     """The EMA weights on the held-out prompts x eval_samples, block by block; scored and watched as train.py's."""
@@ -263,13 +277,6 @@ while True:
         g['adv'], g['safe'] = advantages(g['scores'])
     t1 = time.time()
     st = update(groups, iter_num)
-    r = {s: parallel.mean(sum(reward.combine(g['scores'][s], reward_weights)[:-1].mean() for g in groups)
-                          / len(groups), device) for s in groups[0]['scores']}
-    anchor = {s: parallel.mean(sum(reward.combine(g['scores'][s], reward_weights)[-1] for g in groups)
-                               / len(groups), device) for s in groups[0]['scores']}
     iter_num += 1
-    log(dict(iter=iter_num, reward=next(iter(r.values())), **{f'reward_{s}': v for s, v in r.items()}, **{f'anchor_{s}': v for s, v in anchor.items()},
-             **{k: parallel.mean(v, device) for k, v in st.items()}, safe=parallel.mean(
-                 sum(g['safe'] for g in groups) / len(groups), device),
-             fork=groups[0]['plan']['fork'], t_rollout=t1 - t0, t_update=time.time() - t1))
+    log_iteration(iter_num, groups, st, dict(t_rollout=t1 - t0, t_update=time.time() - t1))
 parallel.close()

@@ -4,8 +4,8 @@ training script for 2 steps: random-ish weights, the family's layout). python -m
 - a run (in this process) writes its iterations, held-out evaluations (at 0 and the end) and a checkpoint;
   each prompt's fork is an eligible one; the first iteration's ratio is 1 (the rollout is the policy's
   own), the clip inert;
-- (slow tier, ~90 s on a loaded 2-core machine) a run stopped at iteration 2 and resumed to 3 equals a run of 3 straight (weights, EMA and old policy
-  bitwise; every logged figure but the timings);
+- (slow tier, ~2 min on a loaded 2-core machine) a run stopped at iteration 2 and resumed to 3 equals a run
+  of 3 straight (weights, EMA and old policy bitwise; every logged figure but the timings);
 - 2 gloo ranks (one prompt each) equal one process with both prompts (slow tier).
 """
 import math
