@@ -42,14 +42,17 @@ def train_expression(target):
 
 def denominator(n_valid, n_train, world, n_chunks=1):
     """train.py's denom for n_valid valid clips (all ranks), n_train trained steps, n_chunks optimizer steps."""
-    names = dict(valid=torch.ones(int(n_valid)), n_train=n_train, world=world, chunks=[None] * n_chunks, max=max)
+    names = dict(batch=dict(valid=torch.ones(int(n_valid))), n_train=n_train, world=world, updates_per_iter=n_chunks,
+                 max=max)
     return eval(train_expression('denom'), names)
 
 
 def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=None, scale=1.0, lam=0.0,
-         beta_pos=1.0, beta_vel=0.1, valid=None, denom=1.0, kl_estimator='exact'):
+         beta_pos=1.0, beta_vel=0.1, valid=None, denom=1.0, kl_estimator='exact', on_policy=False):
     """train.py's step_loss of n clips at one trained step each (clip i at step i, so S_t may differ per
-    clip), its forwards replaced: the policy's step gives (mean, std, logp), the anchor's mean_anchor."""
+    clip), its forwards replaced: the policy's step gives (mean, std, logp), the anchor's mean_anchor.
+    on_policy False: the old log-prob and mean are the given ones (train.py with updates_per_iter > 1,
+    the general objective); True: train.py's default, the recomputed forward's own, detached."""
     n = logp.shape[0]
     mean = torch.zeros(n, 3, dtype=logp.dtype) if mean is None else mean
     std = torch.ones(n, dtype=logp.dtype) if std is None else std
@@ -65,7 +68,8 @@ def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=No
         if torch.is_grad_enabled():  # the policy's grad forward
             return SimpleNamespace(mean=mean, std=std, logp=logp)
         return SimpleNamespace(mean=mean_anchor, std=std, logp=None)  # the anchor's, under no_grad
-    names = dict(torch=torch, sde=SimpleNamespace(step=step), velocity=lambda *a: None, gaussian_kl=gaussian_kl,
+    names = dict(torch=torch, sde=SimpleNamespace(step=step), velocity=lambda *a: None, on_policy=on_policy,
+                 tr=SimpleNamespace(gaussian_kl=gaussian_kl),
                  anchor=SimpleNamespace(applied=lambda policy: contextlib.nullcontext()), policy=None,
                  sigmas=torch.linspace(1, 0, n + 1), text_for=lambda ps: (None, None), credit='none', cfg=1.0,
                  sampler='sage', eta=0.5, clip_range=EPS, device='cpu', kl_estimator=kl_estimator,
@@ -233,3 +237,28 @@ def test_sample_estimator_of_the_velocity_term_is_the_log_ratio():
     _, exact = call(logp, old, torch.zeros(3, dtype=torch.float64), mean, None, mean.detach() + 0.1, lam=lam,
                     beta_vel=bv, denom=denom)
     assert torch.allclose(exact.kl_vel.double(), torch.full((3,), 0.1 ** 2 / 2, dtype=torch.float64))  # (0.1)^2 / (2 std^2)
+
+
+def test_on_policy_the_ratio_is_the_forward_own_and_losers_keep_their_gradient():
+    """train.py's default (updates_per_iter = 1, on_policy): the old log-prob and mean are the recomputed
+    forward's own, detached. The rollout's log-probs sit 1e-3 above (a velocity mismatch always lowers the
+    recomputed log-prob of the sampled step: -|dm|^2 / 2 std^2; another batch shape's rounding, beyond
+    the 1e-4 clip): the ratio is exactly 1 all the same, every clip's gradient on logp is -A S (the
+    reference at r = 1), losers included, and the exact velocity KL and its gradient are 0."""
+    adv = torch.tensor([1.2, -0.9, -2.0, 0.4], dtype=torch.float64)
+    logp = torch.tensor([-0.2, -0.6, -1.1, 0.1], dtype=torch.float64, requires_grad=True)
+    rollout = logp.detach() + 1e-3  # what the rollout's forward gave
+    mean = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    S, lam = torch.tensor([2.0, 0.5, 1.0, 3.0], dtype=torch.float64), 0.7
+    loss, t = call(logp, rollout, adv, mean, None, mean.detach() + 0.2, scale=S, lam=lam, on_policy=True)
+    assert torch.equal(t.ratio, torch.ones(4, dtype=torch.float64)) and torch.equal(t.kl_vel, torch.zeros(4))
+    loss.backward()
+    expected = [ref_policy(1.0, a, s)[1] for a, s in zip(adv.tolist(), S.tolist())]
+    assert torch.allclose(logp.grad, torch.tensor(expected, dtype=torch.float64)), (logp.grad, expected)
+    assert (logp.grad[adv < 0] > 0).all()  # the losers: pushed down (an SGD step lowers their logp)
+    assert torch.equal(mean.grad, torch.zeros_like(mean))  # the velocity KL to its own detached mean
+    # the same clips against the rollout's log-probs (train.py before: the ratio exp(-1e-3) < 1 - 1e-4)
+    logp.grad = None
+    loss, t = call(logp, rollout, adv, scale=S)
+    loss.backward()
+    assert (logp.grad[adv < 0] == 0).all() and (t.ratio < 1 - EPS).all()  # every loser's gradient clipped away
