@@ -223,8 +223,19 @@ def update_readme(out, path=os.path.join(out_dir, 'README.md')):
         readme_summary(out)])
 
 
+# results/fullsize.md's last section: what the fake-tensor accounting cannot see (prose, no figure measured here)
+LEFT_OUT = """### What these figures leave out, and what train.py does about it
+
+The accounting above is of tensors (fake tensors under FSDPMemTracker / MemTracker): what the CUDA caching allocator holds beyond them is not in it. Left out, each a reason for the GPU's own numbers (`bench/fullsize.py --gpu`, and train.py's log) to come out higher:
+- **Allocator fragmentation and caching**: freed blocks the allocator keeps (reserved, not allocated), in sizes that the next phase cannot reuse: the rollout's batched forwards, the update's backward and the evaluation free and allocate different shapes. An out-of-memory error comes when *reserved* memory reaches the GPU's size. train.py runs the allocator with expandable segments (infra/parallel.py sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` before CUDA starts, unless the user set an allocator config) and logs both peaks of every iteration, each started again at the iteration's start: `peak_mem_gb` (allocated, what these tables estimate) and `peak_mem_reserved_gb` (what the allocator held); their difference is what this section cannot compute.
+- **The CUDA context and kernels' workspaces**: the context of each process (typically some hundreds of MB), cuBLAS and cuDNN workspaces, and NCCL's communicator buffers, one set per process group (the world, and with HSDP or sequence parallel the shard, replicate and sp groups).
+- **The reward phase's activations**: the VAE's tiled decode and VideoAlign's forward on the 2 fps frames (their weights are counted), and CLIP-L / PickScore's forwards at evaluation (held in bf16 on the GPU, as the evaluation row counts them: extras/metrics.py's move).
+- **The resident VAE row counts the whole VAE class**, encoder included; train.py decodes only and drops the encoder at load (models/hunyuan15.py and models/wan.py's load_decoder): HunyuanVideo 1.5's encoder is 389 M of its 1,261 M parameters, so the resident VAE is 1.6 GiB in bf16, not 2.3 (Wan 2.1's: 54 M of 127 M, 0.2 GiB of 0.5 in fp32).
+- **The anchor's swap**: "a second sharded copy of the weights" (above) is how Anchor.applied kept the policy's weights while the anchor's ran; it now swaps them through one buffer the size of the largest local weight (trust_region.py), so that copy, 3.9 GiB a GPU at 8.3B, is neither allocated nor freed per micro-batch; the anchor forward's peak above is an upper bound by that much until `python -m bench.fullsize` measures it again."""
+
+
 def report(out):
-    """results/fullsize.md: what the README and bench/toy.py's section 5 quote."""
+    """results/fullsize.md: what the README and bench/toy.py's section 5 quote, and what it leaves out."""
     runs, extras, c = out['runs'], out['extras'], out['config']
     name = lambda r: (f'{"full FT, " + str(r["world"]) + " GPUs" if r["world"] else "LoRA r" + str(r["lora"]) + ", 1 GPU"}: '
                       f'{r["what"]} {r["frames"]}x{r["height"]}x{r["width"]}'
@@ -376,7 +387,7 @@ def report(out):
         md += [f'- LoRA r{r["lora"]} on one GPU, {r["frames"]}x{r["height"]}x{r["width"]}: {tot:.1f} GiB with the VAE and '
                f'VideoAlign resident: {"fits" if tot <= c["gpu_gb"] else "does not fit"} in {c["gpu_gb"]:.0f} GB '
                f'(the frozen base stays fp32, {g(r["categories"]["params (fp32 master)"])} GiB, as load_policy keeps it).']
-    return '\n'.join(md)
+    return '\n'.join(md + ['', LEFT_OUT])
 
 
 def sp_report(out, g):
