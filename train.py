@@ -250,6 +250,7 @@ def score(clips, steps):
     scores = sp.divide_work(scored, n_local, sp_mesh)
     if credit == 'tvrl':  # credit (n, 1, F, h, w), and the old log-probs weighted by it
         clips['credit'] = tvrl.reweight(clips, scores.pop('credit').to(device), steps)
+        scores['credit_peak'] = clips['credit'].flatten(1).amax(1)  # (n,) each clip's largest
     return scores
 
 def advantages(scores):
@@ -385,16 +386,18 @@ def gradient_norms(clips, steps, s_t):
     count_passes(passes, ('diag_anchor', 'diag'), device)
     return norms
 
-def log_iteration(scores, batch, row, times):
+def log_iteration(scores, batch, row, diag, times):
     """metrics.jsonl's row of the iteration, and its line on the console."""
     means = {k: torch.nanmean(parallel.gather(scores[k].float().to(device), dp_group)).item()
              for k in reward.DIMS}  # NaN: a clip left out
+    if credit == 'tvrl':  # the mean of each clip's largest credit, before the diagnostics
+        diag = dict(credit_peak=parallel.mean(scores['credit_peak'].mean(), device), **diag)
     mem, reserved = parallel.peak_memory_gb(device), parallel.peak_memory_gb(device, 'reserved')
     std = batch['std']  # (P, 1)
     flat = (std.flatten() <= 1e-6).float().mean().item()  # groups of equal rewards: nothing learnt
     log(dict(iter=iter_num, reward=torch.nanmean(batch['r']).item(), **means,
              group_std=std.mean().item(), zero_adv_frac=flat,
-             nan_rewards=int((~batch['valid']).sum()), lambda_kl=controller.value, **row,
+             nan_rewards=int((~batch['valid']).sum()), lambda_kl=controller.value, **row, **diag,
              **{f'passes_{k}': n for k, n in passes.items()}, **times, peak_mem_gb=mem.max().item(),
              peak_mem_gb_ranks=mem.tolist(), peak_mem_reserved_gb=reserved.max().item()))
 
@@ -445,10 +448,8 @@ while iter_num < max_iters:
     diag = {} if not diag_every or iter_num % diag_every else gradient_norms(clips, steps, s_t)
     row = update(clips, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
     iter_num += 1
-    if credit == 'tvrl':  # the largest credit of a clip, mean over clips: before the diagnostics
-        row['credit_peak'] = parallel.mean(clips['credit'].flatten(1).amax(1).mean(), device)
-    log_iteration(scores, batch, {**row, **diag},
-                  dict(t_rollout=t1 - t0, t_reward=t2 - t1, t_update=time.time() - t2))
+    log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1,
+                                                 t_update=time.time() - t2))
     if (eval_every and iter_num % eval_every == 0) or iter_num == max_iters:
         held_out(iter_num)                          # held-out ODE samples, watchers, the alarm
     if checkpoint_or_stop(iter_num):
