@@ -15,11 +15,11 @@ rank's fork differs, so its number of forwards does (FSDP's per-forward collecti
 Where this differs from the released code: one prompt segment (no prompt switches: the long video's
 global reward is one clip centred in it); VideoAlign's VQ/MQ/TA are the reward components (the released
 default is HPSv3, not ported); the held-out evaluation samples the EMA weights block by block (the
-family's generate) and scores them as train.py's (models/evaluate.py, its alarm included).
+family's generate) and scores them as train.py's (models/evaluate.py, its alarm included). A SIGTERM
+stops at the next prompt's rollout or replay (infra/preemption.py) and saves the last finished iteration.
 Tested by: python -m pytest tests/test_kvpo_train.py
 """
 import copy
-import math
 import os
 import time
 
@@ -180,7 +180,7 @@ def update(groups, it):
     current one through the first grad_steps steps; gradients averaged over the ranks."""
     opt.zero_grad(set_to_none=False)
     stats = []
-    for g in groups:
+    for g in preemption.points(groups):  # a stop here drops these gradients: the weights have not moved
         args = (g['ctx'], g['state'], g['plan']['fork'])
         with torch.no_grad():
             s_old, s_init = (kvpo.scores(net, *args, g['traj'], cache_frames, 0, score_form) for net in (old, init))
@@ -271,7 +271,7 @@ while True:
         break
     preemption.begin(save_checkpoint)  # a SIGTERM from here saves the last finished iteration
     t0 = time.time()
-    groups = [rollout(iter_num, j, p) for j, p in my_prompts(iter_num)]  # one a rank as released
+    groups = [rollout(iter_num, j, p) for j, p in preemption.points(my_prompts(iter_num))]  # one a rank, released
     for g in groups:
         g['scores'] = score(g)
         g['adv'], g['safe'] = advantages(g['scores'])
