@@ -246,19 +246,26 @@ def teacher_mask(n, layout):
 
 
 @torch.no_grad()
-def generate(net, noise, context, gens=None, cache=None, on_block=None):
+def generate(net, noise, context, gens=None, cache=None, on_block=None, cfg=1.0, context_neg=None):
     """Latents (B, C, F, h, w) from initial noise (B, C, F, h, w), block by block. gens: one generator
     a sample for the re-noising draws (per block, per step, in that order); cache: a KVCache to continue
     (None: a fresh one; else noise's frames follow its newest frame); on_block(start, x0, cache): called
-    after each finished block (KVPO's fork)."""
+    after each finished block (KVPO's fork). cfg != 1: classifier-free guidance against context_neg, both
+    branches in one batch, each with its own cache rows (the distilled models use none)."""
     layout, sig = net.layout, sigmas(net.layout)
     cache = KVCache(layout) if cache is None else cache
     B, F = noise.shape[0], noise.shape[2]
+    guided = cfg != 1.0
+    if guided:  # (2B, ...) rows: conditional, then unconditional
+        context = torch.cat([context, context_neg])
     out, first = [], cache.end  # absolute frame of noise's first frame
     for i in range(0, F, layout['block']):
         start, x = first + i, noise[:, :, i:i + layout['block']]  # (B, C, f, h, w)
         for k, s in enumerate(sig):
-            v = forward_block(net, x, torch.full((B,), s, device=x.device), context, cache, start).float()
+            v = forward_block(net, torch.cat([x, x]) if guided else x, torch.full((len(context),), s, device=x.device),
+                              context, cache, start).float()
+            if guided:
+                v = v[B:] + cfg * (v[:B] - v[B:])
             x0 = x.float() - s * v  # the step's prediction of the clean block
             if k + 1 < len(sig):  # re-noise to the next step's sigma: fresh noise (the released sampler), or
                 if layout.get('renoise', 'fresh') == 'ode':  # the step's own noise x0 + v: an Euler step of the ODE
@@ -267,7 +274,8 @@ def generate(net, noise, context, gens=None, cache=None, on_block=None):
                     z = torch.randn_like(x0) if gens is None else \
                         torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0.device)
                 x = (1 - sig[k + 1]) * x0 + sig[k + 1] * z
-        forward_block(net, x0, torch.zeros(B, device=x0.device), context, cache, start, write=True)  # context_noise 0
+        forward_block(net, torch.cat([x0, x0]) if guided else x0, torch.zeros(len(context), device=x0.device),
+                      context, cache, start, write=True)  # context_noise 0
         out.append(x0)
         if on_block is not None:
             on_block(start, x0, cache)

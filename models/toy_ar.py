@@ -11,15 +11,20 @@ and manifold distance), so the streaming path runs end to end on a CPU.
 The released layout scaled down (LAYOUT): the toy's autoencoder has no temporal compression (9 frames ->
 9 latent frames of 6x6 tokens), so a block is 1 latent frame (released: 3), the sink 1 frame (3) and the
 window 4 frames with the sink and the block (12): from frame 5 on the window drops frames (frame 8 sees
-0, 6, 7, 8), so frames 1..4 leave it and a router (KVPO) has older frames to choose from. The few-step
-sampler keeps the released timesteps 1000, 750, 500, 250 but at shift 1 (released 5: sigmas 1, 0.94, 0.83,
-0.63): the released models are distilled (DMD) to predict sharp clips from high noise; this one is trained by
-regression, whose x0 from sigma 0.63 is a blur of the possible clips, from 0.25 nearly the clip.
+0, 6, 7, 8: frames 1..5 have left it), so a router (KVPO) has older frames to choose from. The sampler
+is not the released one: the released models are distilled (DMD) to predict a sharp x0 from any step, so
+x0-then-fresh-noise works for them; a model trained by regression predicts the posterior mean, and a first
+frame (nothing before it) then collapses to the grey mean: trained at the 4 released timesteps, with fresh
+noise or with 4 Euler steps, its x0's spread fell 0.11 -> 0.025 over the steps and the held-out composite
+was 0.17-0.21. So the toy samples each frame with 8 Euler steps of its own flow ODE at shift 3 (timesteps
+1000, 875, ..., 125; LAYOUT['renoise'] = 'ode'), as the bidirectional base samples a clip with 10; the cache,
+the window and the timestep-0 write are the released ones.
 
-Training is teacher forcing (CausVid's): a clip's clean frames followed by the same frames noised, each
-frame at one of the sampler's sigmas, under streaming.teacher_mask (a noisy frame sees the clean frames of
+Training is teacher forcing (CausVid's): a clip's clean frames followed by the same frames noised, under
+streaming.teacher_mask (a noisy frame sees the clean frames of
 its window and itself: exactly what the cache gives it), the loss flow matching's velocity error on the
-noisy half; the toy's captions (a quarter wrong) and 10% empty prompts, as the bidirectional base had.
+noisy half, each noisy frame at its own sigma (logit-normal, shifted by 2, as the base trained); the toy's
+captions (a quarter wrong) and 10% empty prompts, as the bidirectional base had.
 Tested by: python -m pytest tests/test_toy_ar.py
 """
 import math
@@ -36,7 +41,8 @@ from models.wan_causal import CausalWanTransformer3DModel
 
 # ----------------------------------------------------------------------------- settings
 DIR = 'assets/toy_ar'           # committed model directory (transformer/, the toy's text table and prompts)
-LAYOUT = dict(block=1, sink=1, window=4, timesteps=(1000, 750, 500, 250), shift=1.0)  # the docstring's scaling
+LAYOUT = dict(block=1, sink=1, window=4, timesteps=tuple(range(1000, 0, -125)), shift=3.0,
+              renoise='ode')  # the docstring's scaling: 8 Euler steps of the flow ODE a frame, as the base's sampler
 CONFIG = dict(patch_size=(1, 1, 1), num_attention_heads=3, attention_head_dim=32, in_channels=toy.LATENT_SHAPE[0],
               out_channels=toy.LATENT_SHAPE[0], text_dim=toy.TEXT_DIM, freq_dim=64, ffn_dim=256, num_layers=3,
               rope_max_seq_len=32)  # diffusers WanTransformer3DModel kwargs: 36 tokens a frame, hidden 96
@@ -66,8 +72,8 @@ def train_loss(net, frames, captions, gen, table=None):
     """Teacher-forced flow-matching loss of a batch of clips (module docstring)."""
     x0 = toy.encode(frames)  # (B, C, F, h, w)
     B, n = x0.shape[0], x0.shape[2]
-    sig = torch.tensor(streaming.sigmas(LAYOUT), dtype=torch.float32)
-    s = sig[torch.randint(len(sig), (B, n), generator=gen)]  # (B, F) each frame at a sampler sigma
+    s = torch.sigmoid(torch.randn(B, n, generator=gen))  # (B, F) each frame at its own sigma: logit-normal,
+    s = toy.TRAIN_SHIFT * s / (1 + (toy.TRAIN_SHIFT - 1) * s)  # shifted as the bidirectional base trained
     noise = torch.randn(x0.shape, generator=gen)
     sb = s[:, None, :, None, None]
     xt = (1 - sb) * x0 + sb * noise
@@ -118,14 +124,17 @@ def train():
 def evaluate(path=DIR, seeds=EVAL_SEEDS):
     """The held-out prompts x seeds, block by block, beside the bidirectional base (assets/toy) sampled as
     sample.py and train.py's evaluation do (10 Euler steps, shift 3, cfg 1) and as models.toy evaluates it
-    (16 steps, cfg 3): {name: toy.summary}, and the frames."""
+    (16 steps, cfg 3), the streaming model without guidance (as sample.py runs it) and with cfg 3:
+    {name: toy.summary}, and the frames."""
     torch.set_num_threads(toy.THREADS)
     prompts = [p for p in toy.all_prompts() if toy.is_eval_prompt(p) for _ in range(seeds)]
     net = load_transformer(os.path.join(toy._HERE, path))
     noise = torch.stack([torch.randn(toy.LATENT_SHAPE, generator=torch.Generator().manual_seed(i))
                          for i in range(len(prompts))])
     gens = [torch.Generator().manual_seed(10 ** 6 + i) for i in range(len(prompts))]
-    frames = {'streaming': toy.decode(generate(net, noise, toy.encode_prompts(prompts), gens))}
+    text, empty = toy.encode_prompts(prompts), toy.encode_prompts([''] * len(prompts))
+    frames = {'streaming': toy.decode(generate(net, noise, text, gens)),
+              'streaming cfg 3': toy.decode(generate(net, noise, text, gens, 3.0, empty))}
     base = toy.load_model()
     frames['bidirectional'] = toy.sample(base, prompts, range(len(prompts)), steps=10, shift=3.0, cfg=1.0)
     frames['bidirectional cfg 3'] = toy.sample(base, prompts, range(len(prompts)))
@@ -166,8 +175,10 @@ def forward(net, x, s, text):
     return streaming.forward_masked(net, x, s[:, None].expand(-1, n), context(text), range(n), mask)
 
 
-def generate(net, noise, text, gens=None):
-    return streaming.generate(net, noise, context(text), gens)
+def generate(net, noise, text, gens=None, cfg=1.0, text_neg=None):
+    """Latents block by block from the KV cache; cfg != 1: guided against text_neg (the empty prompt)."""
+    neg = None if text_neg is None else context(text_neg)
+    return streaming.generate(net, noise, context(text), gens, cfg=cfg, context_neg=neg)
 
 
 def load_decoder(path, device):
