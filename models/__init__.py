@@ -37,7 +37,7 @@ OPTIONAL = {  # a world with an exact reward of its own (the toy) provides rewar
                 'without it every sample has cfg',
     'reward': "(frames, prompts, fps) -> {'VQ', 'MQ', 'TA', ...: (B,)}, the reward interface of reward.py",
     'manifold_distance': '(frames) -> (B,) distance of each clip to the data manifold',
-    'generate': '(transformer, noise, text, gens) -> latents (B, C, F, h, w): a family that samples by itself '
+    'generate': '(transformer, noise, text, gens, cfg, text_neg) -> latents (B, C, F, h, w): a family that samples by itself '
                 '(streaming: block by block from a KV cache, models/streaming.py); sample.py and the held-out '
                 'evaluation call it in place of their sampler',
 }

@@ -184,10 +184,12 @@ def forward(net, x, s, text):
     return streaming.forward_masked(net, x, s[:, None].expand(-1, n), context(text), range(n), mask)
 
 
-def generate(net, noise, text, gens=None):
-    """Latents (B, C, F, h, w) block by block from the KV cache (streaming.generate); bf16 on a GPU."""
+def generate(net, noise, text, gens=None, cfg=1.0, text_neg=None):
+    """Latents (B, C, F, h, w) block by block from the KV cache (streaming.generate); bf16 on a GPU.
+    The distilled models run without guidance (cfg 1, DEFAULTS); cfg != 1 guides against text_neg."""
+    neg = None if text_neg is None else context(text_neg)
     with torch.autocast('cuda', torch.bfloat16, enabled=noise.is_cuda):
-        return streaming.generate(net, noise, context(text), gens).float()
+        return streaming.generate(net, noise, context(text), gens, cfg=cfg, context_neg=neg).float()
 
 
 def load_decoder(path, device):
