@@ -8,6 +8,8 @@ scores.
         --prompts=prompts/eval.txt
     python sample.py --model=weights/Wan2.1-T2V-1.3B --checkpoint=out-wan --device=cuda \
         --prompts=prompts/eval.txt
+    python sample.py --model=assets/toy_ar --beside=assets/toy --checkpoint=   # streaming (block by
+        block from its KV cache, models/streaming.py) beside the bidirectional toy base
 
 Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16
 held-out prompts x 2 seeds, as train.py evaluates them but other seeds; or the model family's
@@ -37,6 +39,8 @@ from models.videoalign import load_videoalign
 # ----------------------------------------------------------------------------- settings
 model = 'assets/toy'            # the base model: a diffusers directory, or the toy world's
 checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint), a ckpt_* dir; '' none
+beside = ''                     # another model directory, sampled beside with its own defaults:
+                                # --model=assets/toy_ar --beside=assets/toy (streaming vs not)
 prompts = 'assets/toy/eval_prompts.txt'  # one prompt, or a file with one prompt per line
 num_prompts = None              # prompts spread over the file (None: the toy's 16; else 4)
 samples = None                  # seeds per prompt, the sheet shows the first (None: toy 2, else 1)
@@ -85,37 +89,43 @@ if not prompt_list or not prompt_list[0]:
     raise SystemExit(f'no prompts in {prompts!r}')
 clip_prompts = prompt_list * samples  # clip i: prompt i % P, seed seed * 1000 + i (first P: seed 0)
 os.makedirs(out_dir, exist_ok=True)
-models = [('base', None)]
+models = [('base', None, model)]  # (name, checkpoint, model directory)
+models += [(family(beside).PIPELINE, None, beside)] if beside else []
 if checkpoint and os.path.isdir(checkpoint):
-    models.append(('aligned', checkpoint_lib.resolve(checkpoint)))
+    models.append(('aligned', checkpoint_lib.resolve(checkpoint), model))
 elif checkpoint and checkpoint != 'out-toy':
     raise SystemExit(f'checkpoint {checkpoint!r} not found')
 else:
     print(f'no checkpoint at {checkpoint!r} yet (python train.py config/toy.py writes one): '
           'base model only')
 
-cache = encode_prompts(model, prompt_list + [negative_prompt], device)
-text, text_neg = (batch_text(cache, ps, device)
-                   for ps in (clip_prompts, [negative_prompt] * len(clip_prompts)))
 decode = load_decoder(model, device)
 shape = latent_shape(model, num_frames, height, width)
-sigmas = sde.sigmas(num_steps, shift)
 rows = []
-for name, ckpt in models:
+for name, ckpt, path in models:
+    fam_m = family(path)  # a beside model samples with its own family's steps, shift and guidance
+    own = fam_m.DEFAULTS if path != model else dict(sample_steps=num_steps, shift=shift, cfg=cfg)
+    cache = encode_prompts(path, prompt_list + [negative_prompt], device)
+    text, text_neg = (batch_text(cache, ps, device)
+                      for ps in (clip_prompts, [negative_prompt] * len(clip_prompts)))
     trained = checkpoint_lib.read_loop(ckpt)['config'] if ckpt else {}  # the run's weights' layout
-    policy = load_policy(model, device, lora_rank=trained.get('lora_rank', 0), attention=attention,
+    policy = load_policy(path, device, lora_rank=trained.get('lora_rank', 0), attention=attention,
                          backend=attention_backend, experts=trained.get('experts', 'both'))
     if ckpt:  # the trained weights of a sharded (DCP) checkpoint, read into one plain model
         checkpoint_lib.load_weights(ckpt, policy)
     policy.eval()
     gens = generators([seed * 1000 + i for i in range(len(clip_prompts))])
-    x, _ = sample(policy, noise(shape, gens, device), sigmas, text, cfg, text_neg, sampler, eta,
-                  gens)
+    if hasattr(fam_m, 'generate'):  # streaming: block by block from its KV cache, its own few steps
+        x = fam_m.generate(policy, noise(shape, gens, device), text, gens, own['cfg'], text_neg)
+    else:
+        sigmas = sde.sigmas(own['sample_steps'], own['shift'])
+        x, _ = sample(policy, noise(shape, gens, device), sigmas, text, own['cfg'], text_neg,
+                      sampler, eta, gens)
     frames = decode(x)                                         # (B, F, 3, H, W) in [0, 1]
     for i, clip in enumerate(frames):
         save_mp4(clip, os.path.join(out_dir, f'{name}_{i}.mp4'), fps)
     rows.append(frames)
-    print(f'{name}: {len(clip_prompts)} videos in {out_dir}/ ({ckpt or model})')
+    print(f'{name}: {len(clip_prompts)} videos in {out_dir}/ ({ckpt or path})')
     del policy
 
 # contact sheet: per prompt (its first seed) a title line, then a row of frames per model (base
@@ -142,11 +152,11 @@ draw = ImageDraw.Draw(img)
 for i, p in enumerate(prompt_list):
     # ~6 px a character
     draw.text((2, i * block + 1), f'{i}: {p}'[:(label_w + F * (W + gap)) // 6], fill=(0, 0, 0))
-    for m, (name, _) in enumerate(models):
+    for m, (name, *_) in enumerate(models):
         draw.text((2, i * block + title_h + m * (H + gap) + H // 2 - 5), name, fill=(0, 0, 0))
 img.save(os.path.join(out_dir, 'contact_sheet.png'))
 print(f'contact sheet: {out_dir}/contact_sheet.png '
-      f'(per prompt: its text, then {" above ".join(n for n, _ in models)})')
+      f'(per prompt: its text, then {" above ".join(n for n, *_ in models)})')
 
 # ----------------------------------------------------------------------------- metrics table
 # the clips above scored by the reward (the model's own exact one, the toy's; or VideoAlign) and the
@@ -165,7 +175,7 @@ if metrics_table:
     run = checkpoint_lib.read_loop(models[-1][1])['config'] if models[-1][1] else {}
     weights = tuple(run.get('reward_weights', SETTING_B))  # no checkpoint: Setting B, train.py's
     table, composite = {}, {}
-    for (name, _), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
+    for (name, *_), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
         sc = reward_fn(frames, clip_prompts, fps)
         sc['composite'] = combine(sc, weights)  # the run's (VQ, MQ, TA) weights, as it was trained
         if manifold_distance is not None:

@@ -26,6 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from models import family_of
 from models.policy import count_passes, generators, noise, sample, save_mp4, seed_of
 from reward import combine
 
@@ -127,8 +128,13 @@ class HeldOut:
             prompts = [self.prompts[i % len(self.prompts)] for i in idx]
             gens = generators([seed_of(self.seed, 'eval', i) for i in idx])
             text, text_neg = self.text_for(prompts)
-            x, _ = sample(policy, noise(self.shape, gens, self.device), self.sigmas, text, self.cfg, text_neg,
-                          'ode', 0.0, gens, boundary=self.preemption.point)
+            x1, fam = noise(self.shape, gens, self.device), family_of(policy)
+            if hasattr(fam, 'generate'):  # streaming: block by block from its KV cache, its own steps
+                self.preemption.point()
+                x = fam.generate(policy, x1, text, gens, self.cfg, text_neg)
+            else:
+                x, _ = sample(policy, x1, self.sigmas, text, self.cfg, text_neg, 'ode', 0.0, gens,
+                              boundary=self.preemption.point)
             if not self.leads:  # an sp group's other ranks computed the same clips
                 continue
             rows += [(i, r) for i, r in zip(idx, self.score(x, prompts)) if i < items]

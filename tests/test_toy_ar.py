@@ -71,3 +71,33 @@ def test_forward_is_block_causal():
         v_later, v_out = toy_ar.forward(net, later, s, text), toy_ar.forward(net, outside, s, text)
     assert torch.allclose(v_later[:, :, :6], v[:, :, :6], atol=1e-5) and not torch.allclose(v_later[:, :, 6:], v[:, :, 6:])
     assert not torch.allclose(v_out[:, :, 1:3], v[:, :, 1:3]) and torch.allclose(v_out[:, :, 0], v[:, :, 0], atol=1e-5)
+
+
+def test_held_out_evaluation_streams_block_by_block(tmp_path):
+    """train.py's held-out evaluation (models/evaluate.py HeldOut) of the streaming toy: each item is the family's
+    block-by-block generation from its own seed (not the bidirectional ODE sampler), scored by the toy's reward:
+    the items equal generate() called here with the same noise, scored here."""
+    import sde
+    from infra import prompt_cache
+    from models import evaluate, policy as M
+    from reward import combine
+    from test_train import NoPreemption
+    torch.set_num_threads(1)
+    prompts = held_out()[:3]
+    cache = prompt_cache.PromptCache(prompt_cache.build(str(tmp_path / 'pc'), PATH, prompts + [''], M.encode_prompts))
+    text_for = lambda ps: (M.batch_text(cache, ps, 'cpu'), M.batch_text(cache, [''] * len(ps), 'cpu'))  # noqa: E731
+    weights = (0.5, 0.5, 1.0)
+    run = evaluate.HeldOut(
+        prompts, 1, seed=0, sigmas=sde.sigmas(4, 3.0), cfg=1.0, shape=toy.LATENT_SHAPE, text_for=text_for, batch=2,
+        decode=M.load_decoder(PATH, 'cpu'), reward_fn=toy.reward, reward_weights=weights,
+        manifold_distance=toy.manifold_distance, visual={}, move_visual=lambda *a: None, fps=toy.FPS,
+        out_dir=str(tmp_path), videos=0, dp_rank=0, dp_world=1, leads=True, passes=dict.fromkeys(M.PASS_KINDS, 0),
+        preemption=NoPreemption(), device='cpu')
+    policy = M.load_policy(PATH, 'cpu')
+    run(policy, 0, lambda: None)
+    gens = M.generators([M.seed_of(0, 'eval', i) for i in range(3)])  # item i: prompt i, seed seed_of(0, 'eval', i)
+    x = toy_ar.generate(policy, M.noise(toy.LATENT_SHAPE, gens, 'cpu'), text_for(prompts)[0], gens)
+    scores = toy.reward(toy.decode(x), prompts, toy.FPS)
+    expected = combine(scores, weights)
+    got = torch.tensor([item['composite'] for item in run.items])
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
