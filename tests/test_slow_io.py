@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW_S = 10  # rank 0's slow read or delete; dist_timeout is 6 s (slow_io_worker.TIMEOUT_MIN)
 
 
+@pytest.mark.slow  # two 2-rank runs of ~30 s each: the slow tier (.ci/run)
 @pytest.mark.parametrize('what', ['load', 'save'])
 def test_rank_0_alone_with_slow_io_never_times_the_others_out(what, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
