@@ -103,8 +103,9 @@ def denoise_block(net, context, cache, start, seed, shape, record=None):
         x0 = x - s * v  # the step's prediction of the clean block
         if record is not None:
             record.append((x, x0))
-        if k + 1 < len(sig):
-            x = (1 - sig[k + 1]) * x0 + sig[k + 1] * noise_at(seed, frames, k + 1, shape).to(x0.device)
+        if k + 1 < len(sig):  # re-noised as the layout says: fresh noise (released) or the step's own, x0 + v
+            z = x0 + v if net.layout.get('renoise', 'fresh') == 'ode' else noise_at(seed, frames, k + 1, shape)
+            x = (1 - sig[k + 1]) * x0 + sig[k + 1] * z.to(x0.device)
     streaming.forward_block(net, x0, torch.zeros(1, device=x0.device), context, cache, start, write=True)
     return x0
 

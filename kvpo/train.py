@@ -14,9 +14,9 @@ weights move. Every rank holds the whole model and gradients are averaged (all-r
 rank's fork differs, so its number of forwards does (FSDP's per-forward collectives would not match).
 Where this differs from the released code: one prompt segment (no prompt switches: the long video's
 global reward is one clip centred in it); VideoAlign's VQ/MQ/TA are the reward components (the released
-default is HPSv3, not ported); the held-out evaluation samples the EMA weights block by block (the
-family's generate) and scores them as train.py's (models/evaluate.py, its alarm included). A SIGTERM
-stops at the next prompt's rollout or replay (infra/preemption.py) and saves the last finished iteration.
+default is HPSv3, not ported). The held-out evaluation is train.py's (models/evaluate.py: the family's
+generate, block by block; the alarm) on the EMA weights. A SIGTERM stops at the next prompt's rollout or
+replay (infra/preemption.py) and saves the last finished iteration.
 Tested by: python -m pytest tests/test_kvpo_train.py
 """
 import copy
@@ -124,10 +124,11 @@ loop = checkpoint.resume(ckpts, policy, opt, Copies())
 iter_num = loop['iter_num'] if loop else 0
 if loop:
     alarm.load_state_dict(loop['alarm'])
-held = HeldOut(eval_list, eval_samples, seed=seed, sigmas=None, cfg=1.0, shape=None, text_for=None, batch=1,
-               decode=decode, reward_fn=reward_fn, reward_weights=reward_weights, manifold_distance=manifold_distance,
-               visual={}, move_visual=lambda *a: None, fps=fps, out_dir=out_dir, videos=0, dp_rank=rank,
-               dp_world=world, leads=True, passes={}, preemption=preemption, device=device)  # for its score()
+held = HeldOut(eval_list, eval_samples, seed=seed, sigmas=None, cfg=1.0, shape=(C, eval_frames, h, w),
+               text_for=lambda p: (encode(p), None), batch=1, decode=decode, reward_fn=reward_fn,
+               reward_weights=reward_weights, manifold_distance=manifold_distance, visual={},
+               move_visual=lambda *a: None, fps=fps, out_dir=out_dir, videos=0, dp_rank=rank, dp_world=world,
+               leads=True, passes={'eval': 0}, preemption=preemption, device=device)  # train.py's evaluation
 log = rundir.Log(out_dir, master)
 log.line = lambda r: ' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in r.items())
 if master:
@@ -233,25 +234,13 @@ def log_iteration(it, groups, st, times):
 
 @torch.no_grad()
 def held_out(it):
-    """The EMA weights on the held-out prompts x eval_samples, block by block; scored and watched as train.py's."""
-    items = len(eval_list) * eval_samples
-    rows = []
-    for i in range(rank, -(-items // world) * world, world):  # padded: every rank the same number of forwards
-        gen = torch.Generator().manual_seed(seed_of(seed, 'eval', i) % 2 ** 63)
-        noise = torch.randn((1, C, eval_frames, h, w), generator=gen).to(device)
-        prompt = eval_list[i % len(eval_list)]
-        x = fam.generate(ema, noise, encode([prompt]), [gen])
-        if i < items:
-            rows += [(i, held.score(x, [prompt])[0])]
-    if ddp:
-        parts = [None] * world
-        dist.all_gather_object(parts, rows)
-        rows = [r for p in parts for r in p]
-    rows = [r for _, r in sorted(rows, key=lambda r: r[0])]
-    watch, line = alarm(it, rows)
+    """The EMA weights on the held-out prompts x eval_samples, block by block (the family's generate), scored
+    and watched by the alarm as train.py's (models/evaluate.py)."""
+    means = held(ema, it, save_checkpoint)
+    watch, line = alarm(it, held.items)
     if line and master:
         print(line)
-    return {f'eval_{k}': sum(r[k] for r in rows) / len(rows) for k in rows[0]} | watch
+    return {f'eval_{k}': v for k, v in means.items()} | watch
 
 
 def save_checkpoint():

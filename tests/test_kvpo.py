@@ -5,7 +5,7 @@ KVPO's method (kvpo/kvpo.py) against references written here. python -m pytest t
   consecutive branches overlapping in n_random - shift frames and farther ones not at all;
 - in a rollout (a tiny random streaming model) every routed block attends exactly the sink, its branch's
   older frames and the cached ones of its m nearest, the window's size in all; a branch routed as the
-  window is the anchor bit for bit, and the prefix is shared;
+  window is the anchor bit for bit, the prefix is shared, and the anchor is streaming.generate's clip;
 - TVE against a brute-force replay (one masked full forward of every earlier frame per block and step):
   its value, the velocity form, the gradient through the first 2 of 4 steps only; the backward one branch
   at a time, with activations recomputed or not, equal to all at once;
@@ -106,6 +106,14 @@ def test_branch_routed_as_the_window_is_the_anchor():
     # its trajectory is the replaying model's own: TVE 0 (with or without the sigma floor)
     assert kvpo.tve(net, ctx, state, fork, traj['x'][0], traj['x0'][0], 9).abs() < 1e-10
     assert kvpo.tve(net, ctx, state, fork, traj['x'][1], traj['x0'][1], 9) < -1e-6
+
+
+def test_anchor_is_the_models_own_generation():
+    # the toy's layout re-noises by the ODE (x0 + v): the unrouted anchor is streaming.generate from the same noise
+    assert toy_ar.LAYOUT.get('renoise') == 'ode'
+    net, ctx, fork, clips, traj, state = toy_case()
+    x = streaming.generate(net, kvpo.noise_at(1, range(9), 0, SHAPE), ctx)
+    assert torch.allclose(clips[-1:], x, atol=1e-6) and not torch.allclose(clips[0:1], x, atol=1e-3)
 
 
 def brute_force_terms(net, ctx, clean_prefix, fork, x, x0):
