@@ -85,7 +85,8 @@ def test_two_ranks_equal_one_process(model, tmp_path):
     run(args(model, one, 2, eval_every=2))
     run(args(model, two, 2, eval_every=2), torchrun=True)
     a, b = weights(one), weights(two)
-    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+    # float noise of the sums' order (a gradient near 0 that AdamW normalises): ~5e-7; a step is lr = 1e-3
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     ra, rb = metrics(one), metrics(two)
     assert len(ra) == len(rb) == 4  # eval 0, iterations 1 and 2, eval 2
     for x, y in zip(ra, rb):
