@@ -1,8 +1,9 @@
 # KVPO on the AR toy (models/toy_ar.py): the released method scaled to the toy's layout, on a CPU in minutes.
 #   python -m kvpo.train kvpo/config/toy.py
 #   torchrun --nproc_per_node=2 -m kvpo.train kvpo/config/toy.py
-# The toy's layout is the released one scaled down (block 1, sink 1, window 4; docs/streaming.md 5): a routed
-# block sees the sink, n_random = 4 - 1 - m_nearest = 2 older frames of its branch's and itself (m = 1).
+# The toy's layout is the released one scaled down (block 1, sink 1, window 4, 8 ODE steps; docs/streaming.md 5):
+# a routed block sees the sink, n_random = 4 - 1 - m_nearest = 2 older frames of its branch's and itself (m = 1);
+# the gradient flows through the first 2 of the 8 steps. Results: results/kvpo_toy.md.
 # One chunk of 9 frames: the local and the global reward score the same clip.
 model = 'assets/toy_ar'
 reward_model = 'world'          # the toy world's exact reward
