@@ -30,6 +30,7 @@ from reward import SETTING_B, combine
 from extras import metrics
 from infra import checkpoint as checkpoint_lib
 from infra.configurator import configure, list_of, number, one_of, prompt_or_file
+from infra.versions import check as check_versions
 from models import attention as attention_lib, family
 from models.evaluate import WRONG, frame_stats
 from models.policy import batch_text, encode_prompts, generators, latent_shape, load_decoder, \
@@ -72,6 +73,7 @@ config = configure(globals(), rules={**dict(
     eval_metrics=list_of(*metrics.NAMES)), **attention_lib.RULES})
 # -----------------------------------------------------------------------------
 # the model family's own defaults for what was left at None (the toy's as config/toy.py trains it)
+check_versions(print)  # one line if diffusers or transformers is outside the tested range
 fam = family(model)
 defaults = dict(num_steps=fam.DEFAULTS['sample_steps'], num_prompts=fam.DEFAULTS['sample_prompts'],
                 samples=fam.DEFAULTS['sample_seeds'],
