@@ -1,6 +1,6 @@
 """
 The streaming Wan 2.1 1.3B (models/wan_causal.py) at full size, per GPU: the caches a KVPO rollout holds
-(8 branches and the unrouted anchor of one prompt, one prompt a GPU: SPEC section 12), measured by torch
+(8 branches and the unrouted anchor of one prompt, one prompt a GPU: docs/kvpo.md section 1), measured by torch
 on fake tensors (real shapes and dtypes, no storage), at 81x480x832 (21 latent frames, the short setting)
 and at the long released setting (147 latent frames: chunks of 21 then +18, 585 video frames).
 

@@ -1,6 +1,6 @@
 """
 KVPO: GRPO for a streaming (block-causal, few-step) video generator whose exploration is the KV cache,
-not injected noise (SPEC section 12; docs/kvpo.md). For one prompt, one initial noise and the same
+not injected noise (docs/kvpo.md section 1). For one prompt, one initial noise and the same
 re-noising draws in every branch; in four lines:
 
     fork f, drawn among eligible blocks; branch g's blocks [f, f + P block) attend to the sink, n_random

@@ -22,7 +22,7 @@ forward of diffusers' stock model per block and step, inside the window and past
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-# the released layout (LongLive, MemFlow, Self-Forcing on Wan 2.1 1.3B; SPEC section 12)
+# the released layout (LongLive, MemFlow, Self-Forcing on Wan 2.1 1.3B; docs/streaming.md section 1)
 LAYOUT = dict(block=3,      # latent frames generated together
               sink=3,       # first frames of the video, always attended (the attention sink)
               window=12,    # frames a block attends to: the sink, recent frames, its own block
