@@ -26,13 +26,13 @@ import os
 import torch
 
 import sde
-from reward import SETTING_B, combine
+from reward import SETTING_B
 from extras import metrics
 from infra import checkpoint as checkpoint_lib
 from infra.configurator import configure, list_of, number, one_of, prompt_or_file
 from infra.versions import check as check_versions
 from models import attention as attention_lib, family
-from models.evaluate import WRONG, frame_stats
+from models.evaluate import WRONG, watched
 from models.policy import batch_text, encode_prompts, generators, latent_shape, load_decoder, \
     load_policy, noise, sample, save_mp4
 from models.videoalign import load_videoalign
@@ -178,12 +178,8 @@ if metrics_table:
     weights = tuple(run.get('reward_weights', SETTING_B))  # no checkpoint: Setting B, train.py's
     table, composite = {}, {}
     for (name, *_), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
-        sc = reward_fn(frames, clip_prompts, fps)
-        sc['composite'] = combine(sc, weights)  # the run's (VQ, MQ, TA) weights, as it was trained
-        if manifold_distance is not None:
-            sc['manifold'] = manifold_distance(frames)
-        sc.update({k: fn(frames, clip_prompts) for k, fn in visual.items()})  # (B,): frame means
-        sc.update(frame_stats(frames))  # the alarm's weight-free watchers (models/evaluate.py)
+        # what the held-out evaluation scores, the composite at the run's (VQ, MQ, TA) weights
+        sc = watched(frames, clip_prompts, fps, reward_fn, weights, manifold_distance, visual)
         # the mean over the clips; and the composite per clip (B,), for the spread below
         table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}
         composite[name] = torch.as_tensor(sc['composite']).float()

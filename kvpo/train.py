@@ -139,7 +139,7 @@ checkpoint.forget_after(out_dir, iter_num, eval_owed=True)  # a checkpoint prece
 # ----------------------------------------------------------------------------- the phases
 def my_prompts(it):
     """(index, prompt) of this rank's prompts at iteration it: a seeded draw over all ranks."""
-    g = torch.Generator().manual_seed(seed_of(seed, 'prompts', it) % 2 ** 63)
+    g = torch.Generator().manual_seed(seed_of(seed, 'prompts', it))  # seed_of: 60 bits
     pick = torch.randint(len(train_list), (prompts_per_iter,), generator=g).tolist()
     return [(j, train_list[pick[j]]) for j in range(rank, prompts_per_iter, world)]
 

@@ -108,6 +108,19 @@ class Alarm:
         self.base, self.flagged, self.tripped, self.last = sd['base'], sd['flagged'], sd['tripped'], sd['last']
 
 
+def watched(frames, prompts, fps, reward_fn, weights, manifold_distance, visual):
+    """What the alarm watches of clips frames (B, F, 3, H, W), {name: (B,)}: the reward's scores, their
+    composite at the run's weights, the manifold distance (a world that has one), the visual metrics
+    (per-frame means) and the frame statistics. The held-out evaluation's and sample.py's table."""
+    sc = reward_fn(frames, prompts, fps)
+    sc['composite'] = combine(sc, weights)
+    if manifold_distance is not None:
+        sc['manifold'] = manifold_distance(frames)
+    sc.update({k: fn(frames, prompts) for k, fn in visual.items()})
+    sc.update(frame_stats(frames))
+    return sc
+
+
 class HeldOut:
     def __init__(self, prompts, samples, *, seed, sigmas, cfg, shape, text_for, batch, decode, reward_fn,
                  reward_weights, manifold_distance, visual, move_visual, fps, out_dir, videos, dp_rank, dp_world,
@@ -153,12 +166,8 @@ class HeldOut:
     def score(self, x, prompts):
         """One dict of floats per clip of latents x (B, C, F, h, w)."""
         self.frames = frames = self.decode(x)
-        sc = self.reward_fn(frames, prompts, self.fps)
-        sc['composite'] = combine(sc, self.reward_weights)
-        if self.manifold_distance is not None:
-            sc['manifold'] = self.manifold_distance(frames)
-        sc.update({k: fn(frames, prompts) for k, fn in self.visual.items()})  # per-frame mean, (B,) each
-        sc.update(frame_stats(frames))  # (B,) each
+        sc = watched(frames, prompts, self.fps, self.reward_fn, self.reward_weights, self.manifold_distance,
+                     self.visual)
         return [{k: float(v[j]) for k, v in sc.items()} for j in range(len(prompts))]
 
     def write_videos(self, idx, items, iter_num):
