@@ -1,0 +1,139 @@
+"""
+KVPO against GRPO with an SDE on the same AR model (the baseline KVPO's abstract sets itself against) and
+against the untrained model, paired by seed, on the AR toy. For each seed s both loops run `iters`
+iterations with seed s: kvpo/train.py kvpo/config/toy.py and kvpo/grpo_ar.py kvpo/config/grpo_toy.py (the
+same prompts an iteration, lr, EMA, warm-up, clip and held-out items); the untrained model is their
+common evaluation at iteration 0. Per seed: the held-out composite, VQ, MQ, TA, manifold distance and
+colour entropy of the final evaluation (the EMA weights); the paired differences' mean and 95% t interval
+over the seeds (bench/verdicts.py's paired); whether models/evaluate.py's alarm fired in the run.
+
+    python -m bench.kvpo_verdicts [--seeds=3] [--iters=30]   # writes results/kvpo_verdicts.md/.json (~40 min)
+    python -m bench.kvpo_verdicts --run=False                # only the report, from results/runs/kvpo_verdicts
+
+Runs live in results/runs/kvpo_verdicts/ (not committed); a run whose final evaluation is there is not rerun.
+Tested by: running it (the toy's numbers are in results/kvpo_verdicts.md).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from bench.common import table
+from infra.configurator import configure
+
+_argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts reads the command line when imported: not ours
+from bench.verdicts import fmt, paired, verdict  # noqa: E402  the paired-seed statistics
+sys.argv = _argv
+
+seeds = 3                       # seeds 0..seeds-1, each a KVPO and a GRPO-SDE run
+iters = 30                      # iterations of every run (kvpo/config/toy.py's)
+eval_every = 10                 # held-out evaluations (16 prompts x 1 seed, the EMA weights)
+run = True                      # False: only the report
+RUNS, OUT = 'results/runs/kvpo_verdicts', 'results/kvpo_verdicts'
+METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy.py'],
+           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py']}
+METRICS = dict(composite=1, VQ=1, MQ=1, TA=1, manifold=-1, entropy=1)  # +1: higher is better, -1: lower
+
+
+def rows_of(name):
+    path = os.path.join(RUNS, name, 'metrics.jsonl')
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def done(name):
+    return any(r['iter'] == iters and 'eval_composite' in r for r in rows_of(name))
+
+
+def train(method, s):
+    name = f'{method}_s{s}'
+    if done(name):
+        return
+    d = os.path.join(RUNS, name)
+    shutil.rmtree(d, ignore_errors=True)
+    t0 = time.time()
+    p = subprocess.run([sys.executable] + METHODS[method] + [
+        f'--seed={s}', f'--out_dir={d}', f'--max_iters={iters}', f'--eval_every={eval_every}', '--save_every=0'],
+        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    with open(os.path.join(d, 'log.txt'), 'w') as f:
+        f.write(p.stdout[-20000:] + p.stderr[-20000:])
+    if p.returncode:
+        raise RuntimeError(f'{name} failed:\n{p.stderr[-3000:]}')
+    shutil.rmtree(os.path.join(d, 'ckpt'), ignore_errors=True)
+    print(f'{name}: {time.time() - t0:.0f}s', flush=True)
+
+
+def summary(name):
+    """The run's held-out evaluations {iter: {metric: value}}, whether the alarm fired, its seconds an iteration
+    and its training rewards (mean of the first and last 10 iterations)."""
+    rs = rows_of(name)
+    evals = {r['iter']: {k: r[f'eval_{k}'] for k in METRICS} for r in rs if 'eval_composite' in r}
+    its = [r for r in rs if 'loss' in r]
+    return dict(evals=evals, alarm=sorted({k for r in rs for k in r.get('alarm', [])}),
+                flagged=sorted({k for r in rs for k in r.get('watch_flagged', [])}),
+                sec=sum(r['t_rollout'] + r['t_update'] for r in its) / len(its),
+                train_first=sum(r['reward'] for r in its[:10]) / 10, train_last=sum(r['reward'] for r in its[-10:]) / 10)
+
+
+def report():
+    runs = {m: [summary(f'{m}_s{s}') for s in range(seeds) if done(f'{m}_s{s}')] for m in METHODS}
+    n = min(len(v) for v in runs.values())
+    runs = {m: v[:n] for m, v in runs.items()}
+    base = [r['evals'][0] for r in runs['KVPO']]
+    same = all(abs(a['evals'][0]['composite'] - b['evals'][0]['composite']) < 1e-6
+               for a, b in zip(runs['KVPO'], runs['GRPO-SDE']))  # one evaluation of the same model and items
+    final = {m: [r['evals'][iters] for r in v] for m, v in runs.items()}
+    cells = {'untrained': base, **final}
+    pairs = [('KVPO', 'untrained'), ('GRPO-SDE', 'untrained'), ('KVPO', 'GRPO-SDE')]
+    get = lambda c, k: [e[k] for e in cells[c]]  # noqa: E731
+    res = dict(config=dict(seeds=n, iters=iters, eval_every=eval_every), per_seed={c: v for c, v in cells.items()},
+               runs={m: [{k: r[k] for k in ('alarm', 'flagged', 'sec', 'train_first', 'train_last')} for r in v]
+                     for m, v in runs.items()}, paired={})
+    for a, b in pairs:  # signed so that positive = a is better
+        res['paired'][f'{a} vs {b}'] = {k: paired([sg * x for x in get(a, k)], [sg * x for x in get(b, k)])
+                                        for k, sg in METRICS.items()}
+    md = ['## KVPO vs GRPO with an SDE vs the untrained model, paired seeds (AR toy)', '',
+          f'Written by `python -m bench.kvpo_verdicts` (seeds 0..{n - 1}, {iters} iterations each, one CPU thread): '
+          '`python -m kvpo.train kvpo/config/toy.py` and `python -m kvpo.grpo_ar kvpo/config/grpo_toy.py` with '
+          '`--seed=s`: the same model, prompts an iteration (4), group (K = G = 6), lr 1e-4, warm-up, gradient clip, '
+          'EMA 0.9 and held-out items (16 prompts x 1 seed, block by block, the EMA weights). The untrained model is '
+          f'their evaluation at iteration 0 ({"identical in both runs" if same else "NOT identical in both runs"}); '
+          f'KVPO and GRPO-SDE are their evaluation at iteration {iters}.', '',
+          '**Per cell** (mean over seeds):', '',
+          table(['cell'] + list(METRICS), [[c] + [f'{sum(get(c, k)) / n:.4f}' for k in METRICS] for c in cells]), '',
+          '**Paired differences** (per seed, a - b, signed so that **positive = a is better**: higher composite, VQ, '
+          'MQ, TA, colour entropy; lower manifold distance); mean [95% t interval]; a claim holds if the interval is '
+          'above 0, fails if below, cannot be told if it spans 0:', '',
+          table(['a', 'b', 'seeds'] + [f'Δ {k}' for k in METRICS],
+                [[a, b, n] + [f'{fmt(res["paired"][f"{a} vs {b}"][k], 4 if k == "manifold" else 3)} '
+                 f'{verdict(res["paired"][f"{a} vs {b}"][k])}' for k in METRICS] for a, b in pairs]), '',
+          '**Per seed** (held-out composite: untrained -> KVPO / GRPO-SDE; the alarm; seconds an iteration; '
+          'training rollouts\' mean composite, iterations 1-10 -> last 10):', '',
+          table(['seed', 'untrained', 'KVPO', 'GRPO-SDE', 'alarm KVPO', 'alarm GRPO-SDE', 's/iter KVPO',
+                 's/iter GRPO-SDE', 'train KVPO', 'train GRPO-SDE'],
+                [[s, f'{base[s]["composite"]:.4f}'] + [f'{final[m][s]["composite"]:.4f}' for m in METHODS]
+                 + [', '.join(runs[m][s]['alarm']) or 'silent' for m in METHODS]
+                 + [f'{runs[m][s]["sec"]:.1f}' for m in METHODS]
+                 + [f'{runs[m][s]["train_first"]:.3f} -> {runs[m][s]["train_last"]:.3f}' for m in METHODS]
+                 for s in range(n)]), '']
+    k_vs_g = res['paired']['KVPO vs GRPO-SDE']['composite']
+    md += [f'Verdict (held-out composite): KVPO beats GRPO-SDE: **{verdict(k_vs_g)}** ({fmt(k_vs_g)}); '
+           f'KVPO beats the untrained model: **{verdict(res["paired"]["KVPO vs untrained"]["composite"])}**; '
+           f'GRPO-SDE beats the untrained model: **{verdict(res["paired"]["GRPO-SDE vs untrained"]["composite"])}**.', '']
+    res['verdict'] = md[-2]
+    with open(OUT + '.json', 'w') as f:
+        json.dump(res, f, indent=1)
+    with open(OUT + '.md', 'w') as f:
+        f.write('\n'.join(md) + '\n')
+    print('\n'.join(md))
+
+
+if __name__ == '__main__':
+    configure(globals())
+    os.makedirs(RUNS, exist_ok=True)
+    if run:
+        for s in range(seeds):  # seed-major: a stop leaves both methods at the same seeds
+            for m in METHODS:
+                train(m, s)
+    report()
