@@ -5,7 +5,8 @@ iterations with seed s: kvpo/train.py kvpo/config/toy.py and kvpo/grpo_ar.py kvp
 same prompts an iteration, lr, EMA, warm-up, clip and held-out items); the untrained model is their
 common evaluation at iteration 0. Per seed: the held-out composite, VQ, MQ, TA, manifold distance and
 colour entropy of the final evaluation (the EMA weights); the paired differences' mean and 95% t interval
-over the seeds (bench/verdicts.py's paired); whether models/evaluate.py's alarm fired in the run.
+over the seeds (bench/verdicts.py's paired); whether models/evaluate.py's alarm fired in the run. And an
+experiment on why KVPO degrades the toy: KVPO whose replay sees each branch's own routing (replay_routed).
 
     python -m bench.kvpo_verdicts [--seeds=3] [--iters=30]   # writes results/kvpo_verdicts.md/.json (~40 min)
     python -m bench.kvpo_verdicts --run=False                # only the report, from results/runs/kvpo_verdicts
@@ -33,7 +34,11 @@ eval_every = 10                 # held-out evaluations (16 prompts x 1 seed, the
 run = True                      # False: only the report
 RUNS, OUT = 'results/runs/kvpo_verdicts', 'results/kvpo_verdicts'
 METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy.py'],
-           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py']}
+           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py'],
+           # an experiment, not released: TVE replays each branch under its own routing (kvpo/train.py)
+           'KVPO routed replay': ['-m', 'kvpo.train', 'kvpo/config/toy.py', '--replay_routed=True']}
+PAIRS = [('KVPO', 'untrained'), ('GRPO-SDE', 'untrained'), ('KVPO', 'GRPO-SDE'),
+         ('KVPO routed replay', 'untrained'), ('KVPO routed replay', 'KVPO')]
 METRICS = dict(composite=1, VQ=1, MQ=1, TA=1, manifold=-1, entropy=1)  # +1: higher is better, -1: lower
 
 
@@ -85,12 +90,11 @@ def report():
                for a, b in zip(runs['KVPO'], runs['GRPO-SDE']))  # one evaluation of the same model and items
     final = {m: [r['evals'][iters] for r in v] for m, v in runs.items()}
     cells = {'untrained': base, **final}
-    pairs = [('KVPO', 'untrained'), ('GRPO-SDE', 'untrained'), ('KVPO', 'GRPO-SDE')]
     get = lambda c, k: [e[k] for e in cells[c]]  # noqa: E731
     res = dict(config=dict(seeds=n, iters=iters, eval_every=eval_every), per_seed={c: v for c, v in cells.items()},
                runs={m: [{k: r[k] for k in ('alarm', 'flagged', 'sec', 'train_first', 'train_last')} for r in v]
                      for m, v in runs.items()}, paired={})
-    for a, b in pairs:  # signed so that positive = a is better
+    for a, b in PAIRS:  # signed so that positive = a is better
         res['paired'][f'{a} vs {b}'] = {k: paired([sg * x for x in get(a, k)], [sg * x for x in get(b, k)])
                                         for k, sg in METRICS.items()}
     md = ['## KVPO vs GRPO with an SDE vs the untrained model, paired seeds (AR toy)', '',
@@ -99,7 +103,8 @@ def report():
           '`--seed=s`: the same model, prompts an iteration (4), group (K = G = 6), lr 1e-4, warm-up, gradient clip, '
           'EMA 0.9 and held-out items (16 prompts x 1 seed, block by block, the EMA weights). The untrained model is '
           f'their evaluation at iteration 0 ({"identical in both runs" if same else "NOT identical in both runs"}); '
-          f'KVPO and GRPO-SDE are their evaluation at iteration {iters}.', '',
+          f'KVPO and GRPO-SDE are their evaluation at iteration {iters}. "KVPO routed replay" is an experiment, not '
+          'the released method: KVPO with `--replay_routed=True` (TVE replays each branch under its own routing).', '',
           '**Per cell** (mean over seeds):', '',
           table(['cell'] + list(METRICS), [[c] + [f'{sum(get(c, k)) / n:.4f}' for k in METRICS] for c in cells]), '',
           '**Paired differences** (per seed, a - b, signed so that **positive = a is better**: higher composite, VQ, '
@@ -107,11 +112,10 @@ def report():
           'above 0, fails if below, cannot be told if it spans 0:', '',
           table(['a', 'b', 'seeds'] + [f'Δ {k}' for k in METRICS],
                 [[a, b, n] + [f'{fmt(res["paired"][f"{a} vs {b}"][k], 4 if k == "manifold" else 3)} '
-                 f'{verdict(res["paired"][f"{a} vs {b}"][k])}' for k in METRICS] for a, b in pairs]), '',
+                 f'{verdict(res["paired"][f"{a} vs {b}"][k])}' for k in METRICS] for a, b in PAIRS]), '',
           '**Per seed** (held-out composite: untrained -> KVPO / GRPO-SDE; the alarm; seconds an iteration; '
           'training rollouts\' mean composite, iterations 1-10 -> last 10):', '',
-          table(['seed', 'untrained', 'KVPO', 'GRPO-SDE', 'alarm KVPO', 'alarm GRPO-SDE', 's/iter KVPO',
-                 's/iter GRPO-SDE', 'train KVPO', 'train GRPO-SDE'],
+          table(['seed', 'untrained'] + list(METHODS) + [f'{h} {m}' for h in ('alarm', 's/iter', 'train') for m in METHODS],
                 [[s, f'{base[s]["composite"]:.4f}'] + [f'{final[m][s]["composite"]:.4f}' for m in METHODS]
                  + [', '.join(runs[m][s]['alarm']) or 'silent' for m in METHODS]
                  + [f'{runs[m][s]["sec"]:.1f}' for m in METHODS]
@@ -120,7 +124,9 @@ def report():
     k_vs_g = res['paired']['KVPO vs GRPO-SDE']['composite']
     md += [f'Verdict (held-out composite): KVPO beats GRPO-SDE: **{verdict(k_vs_g)}** ({fmt(k_vs_g)}); '
            f'KVPO beats the untrained model: **{verdict(res["paired"]["KVPO vs untrained"]["composite"])}**; '
-           f'GRPO-SDE beats the untrained model: **{verdict(res["paired"]["GRPO-SDE vs untrained"]["composite"])}**.', '']
+           f'GRPO-SDE beats the untrained model: **{verdict(res["paired"]["GRPO-SDE vs untrained"]["composite"])}**; '
+           'the experiment (a replay under the branch\'s own routing) beats the released replay: '
+           f'**{verdict(res["paired"]["KVPO routed replay vs KVPO"]["composite"])}**.', '']
     res['verdict'] = md[-2]
     with open(OUT + '.json', 'w') as f:
         json.dump(res, f, indent=1)

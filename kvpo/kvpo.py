@@ -141,24 +141,28 @@ def _forward(net, x, s, context, cache, start, checkpoint):
     as it was (a snapshot of references: the replay goes on writing to the cache meanwhile)."""
     if not (checkpoint and torch.is_grad_enabled()):
         return streaming.forward_block(net, x, s, context, cache, start)
-    snap, layout, keep = cache.save(), cache.layout, cache.keep
+    snap, layout, keep, route = cache.save(), cache.layout, cache.keep, cache.route
 
     def run(x):
         c = streaming.KVCache(layout, keep=keep)
         c.restore(snap)
+        c.route = route
         return streaming.forward_block(net, x, s, context, c, start)
     return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
 
 
-def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1.0, checkpoint=False):
+def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1.0, checkpoint=False, route=None):
     """s = sum_{b,k} -mean((x0[b,k] - x0_net(x[b,k], t_k))^2) / (2 max(sigma_k, floor)^2) of one branch's
     trajectory x, x0 (P, S, C, f, h, w), replayed by `net` from the state before the fork, routing off;
     between blocks the cache takes net's own last x0 (detached); steps >= grad_steps run without grad.
     form 'velocity': -mean((v_branch - v_net)^2) / 2, v_branch = (x - x0) / sigma. checkpoint: activations
-    recomputed in backward (a grad forward of the 1.3B model holds ~10-20 GiB: results/kvpo_memory.md)."""
+    recomputed in backward (a grad forward of the 1.3B model holds ~10-20 GiB: results/kvpo_memory.md).
+    route: the branch's router (kvpo.router), the replay seeing the context the branch was made under (not
+    released: an experiment, docs/kvpo.md section 3); None: routing off, as released."""
     layout, sig = net.layout, streaming.sigmas(net.layout)
     cache = streaming.KVCache(layout, keep=keep)
     cache.restore(state)  # references: the replay's writes replace, never touch, the rollout's tensors
+    cache.route = route
     score = torch.zeros((), device=x.device)
     for b in range(x.shape[0]):
         start = fork + b * layout['block']
@@ -178,26 +182,27 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
     return score
 
 
-def scores(net, context, state, fork, traj, keep, grad_steps=2, form='x0', checkpoint=False):
-    """(K,) TVE of every branch under `net`."""
+def scores(net, context, state, fork, traj, keep, grad_steps=2, form='x0', checkpoint=False, routes=None):
+    """(K,) TVE of every branch under `net`; routes: each branch's router (tve's route), None: routing off."""
     return torch.stack([tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form,
-                            checkpoint=checkpoint)
+                            checkpoint=checkpoint, route=None if routes is None else routes[g])
                         for g in range(traj['x'].shape[0])])
 
 
-def backward(net, context, state, fork, traj, keep, objective, grad_steps=2, form='x0', scale=1.0, checkpoint=False):
+def backward(net, context, state, fork, traj, keep, objective, grad_steps=2, form='x0', scale=1.0, checkpoint=False,
+             routes=None):
     """Backpropagate scale x objective(s) -> (loss, stats), s the branches' scores (K,) under net, into net's
     gradients holding one branch's replay graph at a time: dL/dtheta = sum_g dL/ds_g ds_g/dtheta, exactly
     (one more replay without grad: the scores first). Returns (loss, stats), the loss unscaled."""
     with torch.no_grad():
-        s = scores(net, context, state, fork, traj, keep, 0, form)
+        s = scores(net, context, state, fork, traj, keep, 0, form, routes=routes)
     s.requires_grad_()
     total, stats = objective(s)
     (d,) = torch.autograd.grad(total * scale, s)  # (K,) dL/ds_g
     for g in range(len(s)):
         if d[g] != 0:  # a gated prompt (mechanism_1) costs no replay
             (d[g] * tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form,
-                        checkpoint=checkpoint)).backward()
+                        checkpoint=checkpoint, route=None if routes is None else routes[g])).backward()
     return total.detach(), stats
 
 

@@ -59,6 +59,7 @@ clip_high = 1.2
 kl_coef = 10.0                  # weight of KL(pi_theta || pi_init) on the branch simplex
 branch_backward = True          # backprop one branch's replay at a time (exact, one more replay; released: all)
 activation_checkpointing = True  # recompute a replay forward's activations in backward (released: on)
+replay_routed = False           # True: TVE replays a branch under its own routing (not released: an experiment)
 gate = 'mechanism_2'            # unsafe prompt: 'mechanism_2' anchor slot (loss x 1/2) | 'mechanism_1' loss 0
 old_every = 2                   # iterations between syncs of the old (rollout) policy
 learning_rate = 1e-5            # AdamW, constant after the warm-up
@@ -183,15 +184,18 @@ def update(groups, it):
     stats = []
     for g in preemption.points(groups):  # a stop here drops these gradients: the weights have not moved
         args = (g['ctx'], g['state'], g['plan']['fork'])
+        routes = [kvpo.router(g['plan']['fork'], o, layout, m_nearest, perturb_blocks) for o in g['plan']['older']] \
+            if replay_routed else None  # None: the replay's routing is off, as released
         with torch.no_grad():
-            s_old, s_init = (kvpo.scores(net, *args, g['traj'], cache_frames, 0, score_form) for net in (old, init))
+            s_old, s_init = (kvpo.scores(net, *args, g['traj'], cache_frames, 0, score_form, routes=routes)
+                             for net in (old, init))
         objective = lambda s: kvpo.loss(s, s_old, s_init, g['adv'], g['safe'], (clip_low, clip_high), kl_coef, gate)
         if branch_backward:  # one branch's replay graph at a time (exact: kvpo.backward)
             loss, st = kvpo.backward(policy, *args, g['traj'], cache_frames, objective, grad_steps, score_form,
-                                     scale=1 / len(groups), checkpoint=activation_checkpointing)
+                                     scale=1 / len(groups), checkpoint=activation_checkpointing, routes=routes)
         else:  # every branch's graph at once, as released (which checkpoints activations)
             loss, st = objective(kvpo.scores(policy, *args, g['traj'], cache_frames, grad_steps, score_form,
-                                             activation_checkpointing))
+                                             activation_checkpointing, routes))
             (loss / len(groups)).backward()
         stats.append(dict(st, loss=loss.item()))
     for _, p in trained:  # the mean over ranks (each rank's prompts already averaged)

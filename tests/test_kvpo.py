@@ -267,3 +267,30 @@ def test_kl_on_the_simplex():
                                              torch.distributions.Categorical(logits=b))
     assert torch.allclose(kvpo.kl_simplex(F.log_softmax(a, 0), F.log_softmax(b, 0)), want, atol=1e-6)
     assert kvpo.kl_simplex(F.log_softmax(a, 0), F.log_softmax(a, 0)).abs() < 1e-6
+
+
+def test_replay_under_the_branch_routing_reproduces_it():
+    # kvpo/train.py's replay_routed (an experiment, not released): replayed under its own routing at the rollout's
+    # weights, a branch's trajectory is the model's own (TVE 0) where routing off it is not; the backward one
+    # branch at a time, checkpointed or not, keeps the routing
+    older = [[1, 3], [2, 4], [1, 4]]
+    net, ctx, fork, clips, traj, state = toy_case(older=older)
+    routes = [kvpo.router(fork, o, net.layout, 1, 2) for o in older]
+    on = kvpo.scores(net, ctx, state, fork, traj, 9, routes=routes)
+    off = kvpo.scores(net, ctx, state, fork, traj, 9)
+    assert on.abs().max() < 1e-10 and (off < -1e-6).all()
+    adv = torch.tensor([0.5, -1.0, 0.2])
+    objective = lambda s: kvpo.loss(s, on.detach() + 0.1 * adv, on.detach(), adv, is_safe=True)
+    params = [p for p in net.parameters() if p.requires_grad]
+    with torch.no_grad():  # the weights move after the rollout: TVE and its gradient leave 0
+        for p in params:
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    grads = []
+    for checkpoint in (False, True):
+        net.zero_grad()
+        kvpo.backward(net, ctx, state, fork, traj, 9, objective, grad_steps=2, checkpoint=checkpoint, routes=routes)
+        grads.append(torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten() for p in params]))
+    net.zero_grad()
+    objective(kvpo.scores(net, ctx, state, fork, traj, 9, grad_steps=2, routes=routes))[0].backward()
+    want = torch.cat([torch.zeros_like(p).flatten() if p.grad is None else p.grad.flatten() for p in params])
+    assert want.norm() > 0 and all((g - want).norm() < 1e-5 * want.norm() for g in grads)
