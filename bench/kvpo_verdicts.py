@@ -36,9 +36,13 @@ RUNS, OUT = 'results/runs/kvpo_verdicts', 'results/kvpo_verdicts'
 METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy.py'],
            'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py'],
            # an experiment, not released: TVE replays each branch under its own routing (kvpo/train.py)
-           'KVPO routed replay': ['-m', 'kvpo.train', 'kvpo/config/toy.py', '--replay_routed=True']}
+           'KVPO routed replay': ['-m', 'kvpo.train', 'kvpo/config/toy.py', '--replay_routed=True'],
+           'GRPO-SDE lr 1e-5': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', '--learning_rate=1e-5'],
+           'KVPO lr 1e-5': ['-m', 'kvpo.train', 'kvpo/config/toy.py', '--learning_rate=1e-5']}
+MAIN = ('KVPO', 'GRPO-SDE')     # seed-major first; then each experiment over its seeds
 PAIRS = [('KVPO', 'untrained'), ('GRPO-SDE', 'untrained'), ('KVPO', 'GRPO-SDE'),
-         ('KVPO routed replay', 'untrained'), ('KVPO routed replay', 'KVPO')]
+         ('KVPO routed replay', 'KVPO'), ('GRPO-SDE lr 1e-5', 'untrained'), ('KVPO lr 1e-5', 'untrained'),
+         ('KVPO lr 1e-5', 'GRPO-SDE lr 1e-5')]
 METRICS = dict(composite=1, VQ=1, MQ=1, TA=1, manifold=-1, entropy=1)  # +1: higher is better, -1: lower
 
 
@@ -82,51 +86,51 @@ def summary(name):
 
 
 def report():
-    runs = {m: [summary(f'{m}_s{s}') for s in range(seeds) if done(f'{m}_s{s}')] for m in METHODS}
-    n = min(len(v) for v in runs.values())
-    runs = {m: v[:n] for m, v in runs.items()}
-    base = [r['evals'][0] for r in runs['KVPO']]
-    same = all(abs(a['evals'][0]['composite'] - b['evals'][0]['composite']) < 1e-6
-               for a, b in zip(runs['KVPO'], runs['GRPO-SDE']))  # one evaluation of the same model and items
-    final = {m: [r['evals'][iters] for r in v] for m, v in runs.items()}
-    cells = {'untrained': base, **final}
-    get = lambda c, k: [e[k] for e in cells[c]]  # noqa: E731
-    res = dict(config=dict(seeds=n, iters=iters, eval_every=eval_every), per_seed={c: v for c, v in cells.items()},
-               runs={m: [{k: r[k] for k in ('alarm', 'flagged', 'sec', 'train_first', 'train_last')} for r in v]
-                     for m, v in runs.items()}, paired={})
-    for a, b in PAIRS:  # signed so that positive = a is better
-        res['paired'][f'{a} vs {b}'] = {k: paired([sg * x for x in get(a, k)], [sg * x for x in get(b, k)])
+    runs = {m: {s: summary(f'{m}_s{s}') for s in range(seeds) if done(f'{m}_s{s}')} for m in METHODS}
+    evals = {m: {s: r['evals'][iters] for s, r in v.items()} for m, v in runs.items()}
+    cells = {'untrained': {s: r['evals'][0] for v in runs.values() for s, r in v.items()}, **evals}
+    same = all(abs(runs['KVPO'][s]['evals'][0]['composite'] - r['evals'][0]['composite']) < 1e-6
+               for v in runs.values() for s, r in v.items() if s in runs['KVPO'])  # one model, the same items
+    res = dict(config=dict(seeds=seeds, iters=iters, eval_every=eval_every), per_seed=cells, paired={},
+               runs={m: {s: {k: r[k] for k in ('alarm', 'flagged', 'sec', 'train_first', 'train_last')}
+                         for s, r in v.items()} for m, v in runs.items()})
+    for a, b in PAIRS:  # over the seeds both have, signed so that positive = a is better
+        ss = sorted(set(cells[a]) & set(cells[b]))
+        res['paired'][f'{a} vs {b}'] = {k: paired([sg * cells[a][s][k] for s in ss], [sg * cells[b][s][k] for s in ss])
                                         for k, sg in METRICS.items()}
+    mean = lambda c, k: sum(e[k] for e in cells[c].values()) / max(1, len(cells[c]))  # noqa: E731
+    verdicts = {p: verdict(v['composite']) for p, v in res['paired'].items()}
     md = ['## KVPO vs GRPO with an SDE vs the untrained model, paired seeds (AR toy)', '',
-          f'Written by `python -m bench.kvpo_verdicts` (seeds 0..{n - 1}, {iters} iterations each, one CPU thread): '
+          f'Written by `python -m bench.kvpo_verdicts` ({iters} iterations a run, one CPU thread): '
           '`python -m kvpo.train kvpo/config/toy.py` and `python -m kvpo.grpo_ar kvpo/config/grpo_toy.py` with '
           '`--seed=s`: the same model, prompts an iteration (4), group (K = G = 6), lr 1e-4, warm-up, gradient clip, '
           'EMA 0.9 and held-out items (16 prompts x 1 seed, block by block, the EMA weights). The untrained model is '
-          f'their evaluation at iteration 0 ({"identical in both runs" if same else "NOT identical in both runs"}); '
-          f'KVPO and GRPO-SDE are their evaluation at iteration {iters}. "KVPO routed replay" is an experiment, not '
-          'the released method: KVPO with `--replay_routed=True` (TVE replays each branch under its own routing).', '',
-          '**Per cell** (mean over seeds):', '',
-          table(['cell'] + list(METRICS), [[c] + [f'{sum(get(c, k)) / n:.4f}' for k in METRICS] for c in cells]), '',
+          f'their evaluation at iteration 0 ({"identical in every run of a seed" if same else "NOT identical"}); '
+          f'the others their evaluation at iteration {iters}. Experiments, not released settings: "KVPO routed '
+          'replay" (`--replay_routed=True`: TVE replays each branch under its own routing) and both methods at the '
+          'released lr 1e-5.', '',
+          '**Per cell** (mean over its seeds):', '',
+          table(['cell', 'seeds'] + list(METRICS), [[c, len(v)] + [f'{mean(c, k):.4f}' for k in METRICS]
+                                                      for c, v in cells.items() if v]), '',
           '**Paired differences** (per seed, a - b, signed so that **positive = a is better**: higher composite, VQ, '
           'MQ, TA, colour entropy; lower manifold distance); mean [95% t interval]; a claim holds if the interval is '
           'above 0, fails if below, cannot be told if it spans 0:', '',
           table(['a', 'b', 'seeds'] + [f'Δ {k}' for k in METRICS],
-                [[a, b, n] + [f'{fmt(res["paired"][f"{a} vs {b}"][k], 4 if k == "manifold" else 3)} '
-                 f'{verdict(res["paired"][f"{a} vs {b}"][k])}' for k in METRICS] for a, b in PAIRS]), '',
-          '**Per seed** (held-out composite: untrained -> KVPO / GRPO-SDE; the alarm; seconds an iteration; '
-          'training rollouts\' mean composite, iterations 1-10 -> last 10):', '',
-          table(['seed', 'untrained'] + list(METHODS) + [f'{h} {m}' for h in ('alarm', 's/iter', 'train') for m in METHODS],
-                [[s, f'{base[s]["composite"]:.4f}'] + [f'{final[m][s]["composite"]:.4f}' for m in METHODS]
-                 + [', '.join(runs[m][s]['alarm']) or 'silent' for m in METHODS]
-                 + [f'{runs[m][s]["sec"]:.1f}' for m in METHODS]
-                 + [f'{runs[m][s]["train_first"]:.3f} -> {runs[m][s]["train_last"]:.3f}' for m in METHODS]
-                 for s in range(n)]), '']
+                [[a, b, res['paired'][f'{a} vs {b}']['composite']['n']]
+                 + [f'{fmt(res["paired"][f"{a} vs {b}"][k], 4 if k == "manifold" else 3)} '
+                    f'{verdict(res["paired"][f"{a} vs {b}"][k])}' for k in METRICS] for a, b in PAIRS
+                 if res['paired'][f'{a} vs {b}']['composite']['n']]), '',
+          '**Per run** (held-out composite at iteration 0 -> the last; the alarm; seconds an iteration; the training '
+          'rollouts\' mean composite, iterations 1-10 -> the last 10):', '',
+          table(['run', 'seed', 'composite', 'alarm', 's/iter', 'training reward'],
+                [[m, s, f'{cells["untrained"][s]["composite"]:.4f} -> {evals[m][s]["composite"]:.4f}',
+                  ', '.join(r['alarm']) or 'silent', f'{r["sec"]:.1f}', f'{r["train_first"]:.3f} -> {r["train_last"]:.3f}']
+                 for m, v in runs.items() for s, r in v.items()]), '']
     k_vs_g = res['paired']['KVPO vs GRPO-SDE']['composite']
-    md += [f'Verdict (held-out composite): KVPO beats GRPO-SDE: **{verdict(k_vs_g)}** ({fmt(k_vs_g)}); '
-           f'KVPO beats the untrained model: **{verdict(res["paired"]["KVPO vs untrained"]["composite"])}**; '
-           f'GRPO-SDE beats the untrained model: **{verdict(res["paired"]["GRPO-SDE vs untrained"]["composite"])}**; '
-           'the experiment (a replay under the branch\'s own routing) beats the released replay: '
-           f'**{verdict(res["paired"]["KVPO routed replay vs KVPO"]["composite"])}**.', '']
+    md += [f'Verdict (held-out composite): KVPO beats GRPO-SDE: **{verdicts["KVPO vs GRPO-SDE"]}** ({fmt(k_vs_g)}); '
+           f'KVPO beats the untrained model: **{verdicts["KVPO vs untrained"]}**; GRPO-SDE beats the untrained model: '
+           f'**{verdicts["GRPO-SDE vs untrained"]}**. Experiments: ' + '; '.join(
+               f'{p}: **{v}**' for p, v in verdicts.items() if p.split(' vs ')[0] not in MAIN and v != 'not run') + '.', '']
     res['verdict'] = md[-2]
     with open(OUT + '.json', 'w') as f:
         json.dump(res, f, indent=1)
@@ -140,6 +144,9 @@ if __name__ == '__main__':
     os.makedirs(RUNS, exist_ok=True)
     if run:
         for s in range(seeds):  # seed-major: a stop leaves both methods at the same seeds
-            for m in METHODS:
+            for m in MAIN:
+                train(m, s)
+        for m in METHODS:  # the experiments, one after another (a report counts the seeds each pair has)
+            for s in range(seeds):
                 train(m, s)
     report()
