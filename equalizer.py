@@ -55,6 +55,7 @@ def scales(kind, sigmas, eta, median='mean_of_middle', steps=None):
     trained), 1.0 for the others; (T,) float32."""
     if median not in MEDIANS:
         raise ValueError(f'median must be one of {MEDIANS}, got {median!r}')
+    sigmas = sigmas.cpu()  # (T + 1,) a schedule is small: S_t is computed on the CPU
     s, s_next = sigmas[:-1].double(), sigmas[1:].double()  # (T,)
     n = proxy(kind, sigmas, eta).double()  # (T,)
     stochastic = (sde.variance(kind, s, s_next, eta) > 0) & (s > 0)

@@ -68,6 +68,19 @@ def group_advantages(r, clip=5.0, eps=1e-6):
     return torch.where(valid & (std > eps), adv, 0.0), valid, std
 
 
+def check_valid(valid, iteration, out_dir, log=print):
+    """Stop before a broken reward model touches the weights: every reward of the batch NaN is the
+    reward model failing, not a bad clip (RuntimeError, checkpoints untouched). Some NaN: one line
+    (log: rank 0's print) saying those clips leave their groups and the loss. valid (P, G) bool."""
+    if not valid.any():
+        raise RuntimeError(f'iteration {iteration}: every reward is NaN; the reward model is '
+                           f'failing (see its warnings above). Checkpoints in {out_dir} are '
+                           'untouched.')
+    if not valid.all():
+        log(f'warning: iteration {iteration}: {int((~valid).sum())} of {valid.numel()} rewards '
+            'are NaN; those clips are left out of their groups and of the loss')
+
+
 # advantage = 'per_component' | 'taros' (train.py): each component judged within its group first.
 # The two taros thresholds are fixed: our reading of an abstract that states none (docs/method.md
 # 4.3), not a tuned or published value, so not settings
@@ -111,11 +124,14 @@ def component_advantages(c, weights, kind, clip=5.0, eps=1e-6):
     return torch.where(ok, a / scale.clamp(min=eps), 0.0).clamp(-clip, clip), valid
 
 
-def load(kind, videoalign_dir, qwen_dir, device, world=(None, None)):
+def load(kind, videoalign_dir, qwen_dir, device, world=(None, None), family=None):
     """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', frozen (no manifold
     distance: None), or 'world': `world`, the model family's own exact reward and manifold distance
-    (the toy's; models/__init__.py OPTIONAL), which a real model does not have. Either reward_fn
-    scores a clip with a non-finite frame NaN (FiniteFrames)."""
+    (the toy's; models/__init__.py OPTIONAL; or those of the family module `family`), which a
+    real model does not have. Either reward_fn scores a clip with a non-finite frame NaN
+    (FiniteFrames)."""
+    if family is not None:
+        world = getattr(family, 'reward', None), getattr(family, 'manifold_distance', None)
     if kind == "world":
         if world[0] is None:
             raise SystemExit("reward_model='world': this model has no reward of its own; "

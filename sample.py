@@ -33,7 +33,7 @@ from infra.configurator import configure, list_of, number, one_of, prompt_or_fil
 from infra.versions import check as check_versions
 from models import attention as attention_lib, family
 from models.evaluate import WRONG, watched
-from models.policy import batch_text, encode_prompts, generators, latent_shape, load_decoder, \
+from models.policy import encode_prompts, generators, guided_text, latent_shape, load_decoder, \
     load_policy, noise, sample, save_mp4
 from models.videoalign import load_videoalign
 
@@ -108,8 +108,7 @@ for name, ckpt, path in models:
     fam_m = family(path)  # a beside model samples with its own family's steps, shift and guidance
     own = fam_m.DEFAULTS if path != model else dict(sample_steps=num_steps, shift=shift, cfg=cfg)
     cache = encode_prompts(path, prompt_list + [negative_prompt], device)
-    text, text_neg = (batch_text(cache, ps, device)
-                      for ps in (clip_prompts, [negative_prompt] * len(clip_prompts)))
+    text, text_neg = guided_text(cache, clip_prompts, negative_prompt, device)
     trained = checkpoint_lib.read_loop(ckpt)['config'] if ckpt else {}  # the run's weights' layout
     policy = load_policy(path, device, lora_rank=trained.get('lora_rank', 0), attention=attention,
                          backend=attention_backend, experts=trained.get('experts', 'both'))

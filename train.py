@@ -5,16 +5,15 @@ What the defaults make of the objective: one optimizer step per rollout batch, s
 all through the update, the ratio is 1, the PPO clip never acts and the exact velocity KL is 0: the
 objective is REINFORCE weighted by the equalizer's S_t plus lambda_KL times the position KL to a
 moving anchor, and lambda_KL follows the paper's printed rule, which *relaxes* the penalty when the
-KL is high (docs/method.md 4.6, 5.5). The method's settings are the released defaults but for the
-released code's switches (docs/method.md 6); the scale's are one node's (config/released.py: the
-released run's). A config file or --key=value overrides them.
+KL is high (docs/method.md 4.6, 5.5). Settings: the released defaults but for the released code's
+switches (docs/method.md 6), one node's scale (config/released.py: the released run's); a config
+file or --key=value overrides them. One iteration is the loop at the bottom, its phases above it.
 
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
     torchrun --nproc_per_node=8 train.py                   # HunyuanVideo 1.5 480p + VideoAlign
-
-One iteration is the loop at the bottom, each phase a function above it in the order it runs.
 """
+import functools
 import json
 import math
 import os
@@ -28,14 +27,14 @@ import reward
 import sde
 import trust_region as tr
 from extras import credit as tvrl, diagnostics, metrics
-from infra import checkpoint, parallel, prompt_cache, rundir, sp
+from infra import parallel, prompt_cache, rundir, sp
 from infra.configurator import configure, rules
-from infra.optimizer import build as build_optimizers, zero_grad
+from infra.optimizer import build as build_optimizers, clip_grad_norm, zero_grad
 from infra.preemption import Preemption
 from infra.versions import check as check_versions
 from models import attention as attention_lib, export, family
 from models.evaluate import Alarm, HeldOut
-from models.policy import PASS_KINDS, batch_text, count_passes, encode_prompts, generators, \
+from models.policy import PASS_KINDS, count_passes, encode_prompts, generators, guided_text, \
     latent_shape, load_decoder, load_policy, noise, sample, seed_of, transformer_config, velocity
 
 # ----------------------------------------------------------------------------- settings
@@ -110,8 +109,7 @@ save_every = 50                 # iterations between checkpoints (and at the end
 keep_checkpoints = 2            # newest checkpoints kept in out_dir
 export_dtype = 'bfloat16'       # the last checkpoint exported to out_dir/export; '' for none
 nonfinite_stop = 3              # optimizer steps skipped in a row (NaN gradient) that stop a run
-wandb_log = False               # also log to wandb (if it is installed)
-wandb_project = 'sage-grpo'
+wandb_project = ''              # also log to this wandb project ('': none; wandb installed)
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
 experts = 'both'                # Wan 2.2 A14B's experts that train: 'both' | 'high' | 'low'
 gradient_checkpointing = True   # recompute block activations in backward
@@ -129,26 +127,22 @@ config = configure(globals(), rules=rules(sde, eq, tr, reward, tvrl, metrics, at
 # distributed setup: torchrun's environment, or one plain process (infra/parallel.py)
 ddp, rank, world, device = parallel.init(device, dist_timeout)
 master = rank == 0
+quiet = print if master else lambda m: None
+quiet(json.dumps(config, indent=1))
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
-# sp inside a node, the shards and the clips divide the ranks: else one line, and nothing starts
-shard_size = parallel.check_layout(world, shard_size, sp_size, prompts_per_iter * group_size)
-dp_rank, dp_world = rank // sp_size, world // sp_size  # an sp group: consecutive ranks, same clips
-dp_group = sp_mesh['dp'].get_group() if sp_mesh else None  # one rank of each sp group
-n_local = prompts_per_iter * group_size // dp_world  # this rank's clips: global indices clip_ids
-clip_ids = list(range(dp_rank * n_local, (dp_rank + 1) * n_local))
+# sp inside a node, the shards and the clips divide the ranks (else one line, and nothing starts);
+# this rank's clips (global indices clip_ids), the same over an sp group (consecutive ranks)
+shard_size, dp_rank, dp_world, dp_group, clip_ids = parallel.layout(
+    rank, world, shard_size, sp_size, sp_mesh, prompts_per_iter * group_size, log=quiet)
+n_local = len(clip_ids)
 preemption = Preemption(rank, device)  # the first SIGTERM: a checkpoint at the next forward
 train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
 eval_list, _ = prompt_cache.read_prompts(eval_prompts)
 parallel.check_shared(out_dir, 'out_dir', master)  # every rank sees rank 0's out_dir, or all stop
-quiet = print if master else lambda m: None
 check_versions(quiet)  # one line if diffusers or transformers is outside the tested range
 ckpts, history = rundir.claim(config, master, log=quiet)  # out_dir locked; the run it holds
-quiet(json.dumps(config, indent=1))
-if ddp:  # e.g. 'layout: 64 ranks; weights sharded over 8 and replicated 8x (HSDP); sp 2'
-    quiet(parallel.describe(world, shard_size, sp_size))
 
-# models: the prompt embeddings first, encoded once by rank 0 into out_dir's cache that every rank
-# memory-maps (infra/prompt_cache.py), the text encoders freed before the policy loads
+# models: the prompt embeddings first (rank 0 encodes them into out_dir's cache, every rank maps it)
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): no weights read
 if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
     sp.check(sp_size, transformer_config(model), shape)
@@ -163,68 +157,50 @@ policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, solo_timeout=
 if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards over its own mesh)
     sp.enable(policy, sp_mesh, fam.cp_plan(policy))
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
-params = [p for o in optimizers for g in o.param_groups for p in g['params']]  # FSDP2 shards
 anchor = tr.Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
 controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target,
                              warmup=kl_warmup, direction=kl_direction)
 kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  # 0: a term off
 decode = load_decoder(model, device)
 reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device,
-                                           (getattr(fam, 'reward', None),  # the toy's own
-                                            getattr(fam, 'manifold_distance', None)))
+                                           family=fam)  # 'world': the family's own (the toy's)
+score_fn = reward_fn if credit == 'none' else tvrl.scorer(  # tvrl: scores and credit maps
+    reward_fn, reward_weights, shape, credit_window, credit_granularity)
 visual = metrics.load_watchers(eval_metrics, clip_dir, pickscore_dir)  # reward hacking's watchers
 sigmas = sde.sigmas(num_steps, shift).to(device)  # (N + 1,) from 1.0 to 0.0
 stochastic_steps = sde.stochastic_steps(sampler, sigmas, eta)  # only they have noise and train
 n_train = max(1, round(timestep_fraction * min(sde_window or num_steps, len(stochastic_steps))))
 on_policy = updates_per_iter == 1  # every micro-batch's forward is at theta_old (step_loss)
+nonfinite = diagnostics.NonFinite(nonfinite_stop, out_dir)  # skips a NaN step; a few in a row stop
 
 # the run's state: new, or from out_dir's newest intact checkpoint (each rank reads its shards)
-iter_num, opt_steps, eval_owed, skipped = 0, 0, True, 0  # a new run owes the base model's eval
-passes = dict.fromkeys(PASS_KINDS, 0)  # transformer passes by kind, all ranks (count_passes)
 alarm = Alarm(alarm_z)  # compares each evaluation with the base model's (iteration 0)
-loop = checkpoint.resume(ckpts, policy, optimizers, anchor, log=quiet)
-if loop:
-    controller.load_state_dict(loop['controller'])
-    iter_num, opt_steps, passes = loop['iter_num'], loop['opt_steps'], loop.get('passes', passes)
-    eval_owed = loop.get('eval_owed', False)
-    alarm.load_state_dict(loop.get('alarm', alarm.state_dict()))  # older checkpoint: no base
+run = rundir.Run(out_dir, keep_checkpoints, policy, optimizers, anchor, PASS_KINDS,
+                 dict(world=world, config=config), controller=controller, alarm=alarm)
+run.resume(ckpts, log=quiet)  # run.iter_num, .opt_steps, .passes (all ranks'), .eval_owed
 
-def text_for(prompts):
-    """The transformer's text inputs of the prompts, and of as many negative prompts."""
-    negative = [negative_prompt] * len(prompts)
-    return batch_text(text_cache, prompts, device), batch_text(text_cache, negative, device)
-
+# the transformer's text inputs of prompts and of as many negative prompts: (text, text_neg)
+text_for = functools.partial(guided_text, text_cache, negative=negative_prompt, device=device)
 evaluate = HeldOut(eval_list, eval_samples, seed=seed, cfg=cfg, shape=shape, text_for=text_for,
                    sigmas=sde.sigmas(eval_steps or num_steps, shift).to(device), fps=fps,
-                   batch=rollout_batch, decode=decode, reward_fn=reward_fn, passes=passes,
+                   batch=rollout_batch, decode=decode, reward_fn=reward_fn, passes=run.passes,
                    reward_weights=reward_weights, manifold_distance=manifold_distance,
                    visual=visual, move_visual=metrics.move, out_dir=out_dir, videos=eval_videos,
                    dp_rank=dp_rank, dp_world=dp_world, leads=rank % sp_size == 0,
                    preemption=preemption, device=device)
 
-def save_checkpoint(eval_owed=False):
-    """Collective: each rank writes its shards (infra/checkpoint.py), rank 0 publishes them."""
-    loop = dict(iter_num=iter_num, opt_steps=opt_steps, world=world, passes=passes, config=config,
-                controller=controller.state_dict(), eval_owed=eval_owed, alarm=alarm.state_dict())
-    path = os.path.join(out_dir, f'{checkpoint.PREFIX}{iter_num:06d}')
-    return checkpoint.save(path, policy, optimizers, anchor.state_dict(), loop, keep_checkpoints)
-
 # ----------------------------------------------------------------------------- the phases
 def trained_steps(it):
     """This iteration's stochastic, trained steps (all; or an SDE window), and S_t of each (N,)."""
     steps = sde.window(stochastic_steps, sde_window, seed_of(seed, 'window', it))
-    s_t = eq.scales(sampler, sigmas.cpu(), eta, median, steps) if equalizer else \
-        torch.ones(num_steps)
+    s_t = eq.scales(sampler, sigmas, eta, median, steps) if equalizer else torch.ones(num_steps)
     return steps, s_t.to(device)
 
 def rollout(it, steps):
     """G clips of each of the iteration's prompts from the current policy, the SDE at `steps`: the
     latent, mean and log-prob of every step, {'xs' (n, N+1, C, F, h, w), 'means' (n, N, C, F, h, w),
     'logps' (n, N), 'stds' (n, N)}, and the clips' prompts. Every draw has its own seed."""
-    g = torch.Generator().manual_seed(seed_of(seed, 'prompts', it))  # P prompts, G clips each
-    chosen = (torch.randperm(len(train_list), generator=g)[:prompts_per_iter]
-              if prompts_per_iter <= len(train_list)
-              else torch.randint(len(train_list), (prompts_per_iter,), generator=g)).tolist()
+    chosen = prompt_cache.choose(len(train_list), prompts_per_iter, seed_of(seed, 'prompts', it))
     prompts, records = [train_list[chosen[i // group_size]] for i in clip_ids], []
     for c in tqdm(range(0, n_local, rollout_batch), 'rollout', disable=not master, leave=False):
         ids, ps = clip_ids[c:c + rollout_batch], prompts[c:c + rollout_batch]
@@ -236,62 +212,55 @@ def rollout(it, steps):
         _, trajectory = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens,
                                keep=True, window=steps, boundary=preemption.point)
         records.append(trajectory)
-    count_passes(passes, ('rollout',), device)
+    count_passes(run.passes, ('rollout',), device)
     return dict({k: torch.cat([r[k] for r in records]) for k in records[0]}, prompts=prompts)
 
 def score(clips, steps):
     """Decode and score the clips in memory, each once (an sp group divides them): {'VQ', 'MQ',
     'TA', ...: (n,)}; tvrl: each clip's credit, and its old log-probs weighted by it."""
-    def scored(idx):
+    def scored(idx):  # frames (n, F, 3, H, W) in [0, 1]
         frames = torch.cat([decode(x) for x in clips['xs'][idx, -1].split(rollout_batch)])
-        prompts = [clips['prompts'][i] for i in idx]  # frames (n, F, 3, H, W) in [0, 1]
-        return reward_fn(frames, prompts, fps) if credit == 'none' else tvrl.score(reward_fn,
-            frames, prompts, fps, reward_weights, shape, credit_window, credit_granularity)
+        return score_fn(frames, [clips['prompts'][i] for i in idx], fps)
     scores = sp.divide_work(scored, n_local, sp_mesh)
-    if credit == 'tvrl':  # credit (n, 1, F, h, w), and the old log-probs weighted by it
-        clips['credit'] = tvrl.reweight(clips, scores.pop('credit').to(device), steps)
-        scores['credit_peak'] = clips['credit'].flatten(1).amax(1)  # (n,) each clip's largest
+    if credit == 'tvrl':  # credit (n, 1, F, h, w), its peak (n,), the old log-probs weighted by it
+        clips['credit'], scores['credit_peak'] = tvrl.reweight(clips, scores.pop('credit'), steps)
     return scores
 
 def advantages(scores):
     """GRPO advantages of this rank's clips (n,), each over its whole group (groups may span ranks),
     and which clips count (n,): a NaN reward drops its clip; and the batch's rewards for the log."""
-    r = parallel.gather(reward.combine(scores, reward_weights).float().to(device), dp_group)
-    adv, valid, std = reward.group_advantages(r.view(prompts_per_iter, group_size), adv_clip)
+    c = torch.stack([scores[k] for k in reward.DIMS], 1).float().to(device)  # (n, 3)
+    c = parallel.gather(c, dp_group).view(prompts_per_iter, group_size, -1)  # (P, G, 3) all ranks'
+    r = reward.combine(dict(zip(reward.DIMS, c.unbind(-1))), reward_weights)  # (P, G)
+    adv, valid, std = reward.group_advantages(r, adv_clip)
     if advantage != 'grpo':  # each component judged within its group, then weighed
-        c = torch.stack([scores[k] for k in reward.DIMS], 1).float().to(device)  # (n, 3)
-        c = parallel.gather(c, dp_group).view(prompts_per_iter, group_size, -1)  # (P, G, 3)
         adv, valid = reward.component_advantages(c, reward_weights, advantage, adv_clip)
-    if not valid.any():  # a broken reward model, not a bad clip: stop before it touches the weights
-        raise RuntimeError(f'iteration {iter_num + 1}: every reward is NaN; the reward model '
-                           f'is failing (see its warnings above). Checkpoints in {out_dir} are '
-                           'untouched.')
-    if master and not valid.all():
-        print(f'warning: iteration {iter_num + 1}: {int((~valid).sum())} of {valid.numel()} '
-              'rewards are NaN; those clips are left out of their groups and of the loss')
-    batch = dict(r=r, std=std, valid=valid)  # (P*G,), (P, 1), (P, G)
+    reward.check_valid(valid, run.iter_num + 1, out_dir, quiet)  # all NaN: stop; some: say so
+    batch = dict(r=r, c=c, std=std, valid=valid)  # (P, G), (P, G, 3), (P, 1), (P, G)
     return adv.flatten()[clip_ids], valid.flatten()[clip_ids].float(), batch
+
+def policy_step(clips, b, t):
+    """The policy's SDE step from the rollout's x_t of local clips b (a list) at steps t (n,): its
+    mean, std and the log-prob of the rollout's x_{t+1} (tvrl: credit-weighted), one forward."""
+    x, x_next = clips['xs'][b, t], clips['xs'][b, t + 1]          # (n, C, F, h, w)
+    text, text_neg = text_for([clips['prompts'][i] for i in b])
+    v = velocity(policy, x, sigmas[t], text, cfg, text_neg)  # guided: CFG's two branches
+    return sde.step(x, v, sigmas[t], sigmas[t + 1], sampler, eta, x_next=x_next,
+                    weight=clips['credit'][b] if credit == 'tvrl' else None)
 
 def step_loss(clips, b, t, s_t, lam, denom):
     """The objective of local clips b (a list) at their trained steps t (n,), docs/method.md
     sections 4 and 5: the loss to backward, and its per-clip terms (n,) for the log."""
-    x, x_next = clips['xs'][b, t], clips['xs'][b, t + 1]          # (n, C, F, h, w)
-    s, s_next = sigmas[t], sigmas[t + 1]                         # (n,)
-    text, text_neg = text_for([clips['prompts'][i] for i in b])
-    weight = clips['credit'][b] if credit == 'tvrl' else None     # tvrl: credit-weighted log-prob
     kl_pos = kl_vel = torch.zeros(len(b), device=device)
     if kl_pos_weight:  # the anchor's forward first and without grad: its in-place weight swap must
         with torch.no_grad(), anchor.applied(policy):  # not fall between a forward and its backward
-            v_anchor = velocity(policy, x, s, text, cfg, text_neg)
-            mean_anchor = sde.step(x, v_anchor, s, s_next, sampler, eta, x_next=x_next).mean
-    # both CFG branches carry gradients: the rollout policy is the guided velocity
-    v = velocity(policy, x, s, text, cfg, text_neg)
-    new = sde.step(x, v, s, s_next, sampler, eta, x_next=x_next, weight=weight)  # mean, std, logp
+            mean_anchor = policy_step(clips, b, t).mean
+    new = policy_step(clips, b, t)  # both CFG branches carry gradients: the policy is guided
     # theta == theta_old at one optimizer step per rollout batch: the old log-prob and mean are this
     # forward's own, detached, not the rollout's, which another batch shape rounds differently
     # (bf16: |d logp| > clip_range at the late steps, and the clip would drop every loser: 4.6)
     logp_old, mean_old = (new.logp.detach(), new.mean.detach()) if on_policy else \
-        (clips['logps'][b, t], clips['means'][b, t])  # else recompute_old's, in this shape
+        (clips['logps'][b, t], clips['means'][b, t])  # else recomputed by update in this shape
     ratio = torch.exp(new.logp - logp_old)                                      # (n,)
     adv = clips['adv'][b]                                                        # (n,)
     # PPO's pessimistic clip: the unclipped term's gradient flows only where clipping would not
@@ -310,35 +279,23 @@ def step_loss(clips, b, t, s_t, lam, denom):
     # a NaN-reward clip drops out whole; where(), not a product: 0 * NaN would leak in
     return torch.where(clips['valid'][b] > 0, per_clip, 0.0).sum() / denom, terms
 
-@torch.no_grad()
-def recompute_old(clips, micro, order, stats):
-    """updates_per_iter > 1: the trained steps' old log-probs and means at theta_old, in the
-    update's batch shape: the ratio measures the policy's move, not another shape's rounding."""
-    for b, k in preemption.points(micro):
-        t = order[b, k]
-        x, x_next, s, s_next = clips['xs'][b, t], clips['xs'][b, t + 1], sigmas[t], sigmas[t + 1]
-        text, text_neg = text_for([clips['prompts'][i] for i in b])
-        old = sde.step(x, velocity(policy, x, s, text, cfg, text_neg), s, s_next, sampler, eta,
-                       x_next=x_next, weight=clips['credit'][b] if credit == 'tvrl' else None)
-        stats.drifted((old.logp - clips['logps'][b, t]).abs())
-        clips['logps'][b, t], clips['means'][b, t] = old.logp, old.mean
-    count_passes(passes, ('old',), device)
-
 def update(clips, batch, steps, s_t):
-    """Every trained step of every clip, in a random order per clip, in updates_per_iter optimizer
-    steps: each micro-batch's loss backward, then the clip, the optimizer step, lambda_KL and the
-    anchor. Returns what the log shows of it."""
-    global opt_steps, skipped
+    """Every trained step of every clip (a random order each) in updates_per_iter optimizer steps:
+    the losses' backward, the clip, the step, lambda_KL, the anchor; what the log shows of it."""
     order = torch.stack([torch.tensor(steps)[torch.randperm(len(steps), generator=torch.Generator()
-                         .manual_seed(seed_of(seed, 'order', iter_num, i)))[:n_train]]
+                         .manual_seed(seed_of(seed, 'order', run.iter_num, i)))[:n_train]]
                          for i in clip_ids])  # (n, n_train) the trained steps of each clip
     stats = diagnostics.UpdateStats(n_local * n_train, clip_range)  # what the log shows of it
     def micro(ids):  # forward+backward passes: (train_batch of the clips, one of their steps)
         return [(ids[i:i + train_batch], k) for i in range(0, len(ids), train_batch)
                 for k in range(n_train)]
-    if not on_policy:  # the old log-probs in this batch shape, at theta_old
-        recompute_old(clips, micro(list(range(n_local))), order, stats)
-    bar = tqdm(total=n_local * n_train, desc='update', disable=not master, leave=False)
+    if not on_policy:  # the old log-probs and means at theta_old in this batch shape: the ratio
+        with torch.no_grad():  # measures the policy's move, not another shape's rounding (4.6)
+            for b, k in preemption.points(micro(list(range(n_local)))):
+                old, t = policy_step(clips, b, order[b, k]), order[b, k]
+                stats.drifted((old.logp - clips['logps'][b, t]).abs())
+                clips['logps'][b, t], clips['means'][b, t] = old.logp, old.mean
+        count_passes(run.passes, ('old',), device)
     for chunk in [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]:
         # the divisor that makes the sum of every micro-batch's, step's and rank's loss (FSDP
         # averages ranks) the mean over valid clips x trained steps, this optimizer step's share
@@ -346,7 +303,8 @@ def update(clips, batch, steps, s_t):
         kls = []
         # FSDP reduce-scatters after every backward, so gradients stay sharded (accumulating
         # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
-        for b, j in preemption.points(micro(chunk)):  # a stop drops these gradients: no step yet
+        bar = tqdm(micro(chunk), 'update', disable=not master, leave=False)
+        for b, j in preemption.points(bar):  # a stop drops these gradients: no step yet
             loss, terms = step_loss(clips, b, order[b, j], s_t, controller.value, denom)
             loss.backward()
             stats.add(loss, terms)
@@ -354,107 +312,89 @@ def update(clips, batch, steps, s_t):
             kls.append(kl.mean().item())
             if kl_update == 'backward' and math.isfinite(kls[-1]):  # released: the rank's own KL
                 controller.update(kls[-1])  # (ranks' lambdas differ; a checkpoint keeps rank 0's)
-            bar.update(len(b))
-        norm = diagnostics.whole(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # all ranks'
+        norm = clip_grad_norm(optimizers, grad_clip)  # in place; the norm of all ranks' shards
         stats.stepped(norm, updates_per_iter)
-        skipped = 0 if math.isfinite(norm) else skipped + 1  # NaN or inf: no step, no NaN weight
-        if skipped >= nonfinite_stop:
-            raise SystemExit(f'iteration {iter_num + 1}: {skipped} optimizer steps in a row had a '
-                             f'non-finite gradient norm ({norm}); none was taken, and the newest '
-                             f'checkpoint in {out_dir} is the last good one')
+        skipped = nonfinite(norm, run.iter_num + 1)  # NaN or inf: no step, so no NaN weight
         for o in optimizers if not skipped else []:
             o.step()
         zero_grad(optimizers)  # never policy.zero_grad() under FSDP2 (infra/optimizer.py)
         if not skipped:
-            opt_steps += 1
+            run.opt_steps += 1
             preemption.stepped()  # the weights moved: the iteration runs to its end, then saves
             if kl_update == 'step':  # lambda_KL after each optimizer step, on all ranks' KL
                 controller.update(parallel.mean(sum(kls) / len(kls), device))
-            anchor.maybe_refresh(policy, opt_steps)  # every anchor_every steps (moving, dual)
-    bar.close()
-    count_passes(passes, ('anchor', 'update'), device)
-    return stats.row(device, sp_size, dp_group)
+            anchor.maybe_refresh(policy, run.opt_steps)  # every anchor_every steps (moving, dual)
+    count_passes(run.passes, ('anchor', 'update'), device)
+    return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group))
 
 def gradient_norms(clips, steps, s_t):
     """extras/diagnostics.py's gradient norms of the first sp group's clip 0, 4 more passes."""
     def terms_at(t):  # a fresh forward of clip 0 at step t
         return step_loss(clips, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
-    norms = diagnostics.gradient_norms(terms_at, steps, s_t, controller.value,
-                                       (kl_pos_weight, kl_vel_weight), optimizers,
-                                       world if dp_rank == 0 else 0,  # FSDP averages the ranks
-                                       preemption.point)
-    count_passes(passes, ('diag_anchor', 'diag'), device)
+    betas = kl_pos_weight, kl_vel_weight  # world: rank 0 of dp, whose gradient FSDP averaged
+    norms = diagnostics.gradient_norms(terms_at, steps, s_t, controller.value, betas, optimizers,
+                                       world if dp_rank == 0 else 0, preemption.point)
+    count_passes(run.passes, ('diag_anchor', 'diag'), device)
     return norms
 
 def log_iteration(scores, batch, row, diag, times):
     """metrics.jsonl's row of the iteration, and its line on the console."""
-    means = {k: torch.nanmean(parallel.gather(scores[k].float().to(device), dp_group)).item()
-             for k in reward.DIMS}  # NaN: a clip left out
     if credit == 'tvrl':  # the mean of each clip's largest credit, before the diagnostics
         diag = dict(credit_peak=parallel.mean(scores['credit_peak'].mean(), device), **diag)
-    mem, reserved = parallel.peak_memory_gb(device), parallel.peak_memory_gb(device, 'reserved')
-    std = batch['std']  # (P, 1)
-    flat = (std.flatten() <= 1e-6).float().mean().item()  # groups of equal rewards: nothing learnt
-    log(dict(iter=iter_num, reward=torch.nanmean(batch['r']).item(), **means,
-             group_std=std.mean().item(), zero_adv_frac=flat,
-             nan_rewards=int((~batch['valid']).sum()), lambda_kl=controller.value, **row, **diag,
-             **{f'passes_{k}': n for k, n in passes.items()}, **times, peak_mem_gb=mem.max().item(),
-             peak_mem_gb_ranks=mem.tolist(), peak_mem_reserved_gb=reserved.max().item()))
+    log(dict(iter=run.iter_num, **diagnostics.reward_row(batch, reward.DIMS), **row, **diag,
+             **{f'passes_{k}': n for k, n in run.passes.items()}, **times,
+             **parallel.peak_memory(device)))
 
 def held_out(it):
     """Evaluate, watch, log; a stop meanwhile checkpoints, and this evaluation is owed on resume."""
     parallel.reset_peak_memory(device)  # the peak logged is the evaluation's
-    ev = evaluate(policy, it, lambda: save_checkpoint(eval_owed=True))
+    ev = evaluate(policy, it, lambda: run.save(eval_owed=True))
     watch, line = alarm(it, evaluate.items)  # the same on every rank: the items are gathered
     log({'iter': it, **{f'eval_{k}': v for k, v in ev.items()}, **watch,
          'peak_mem_gb': parallel.peak_memory_gb(device).max().item()})
-    if line and master:  # the checkpoint of the evaluation before the alarm: no rotation removes it
-        kept = checkpoint.pin(out_dir, alarm.kept, f'the last evaluation before the alarm of {it}')
-        print(line + (f'; {kept} is kept' if kept else '') +
-              ('; hack_stop: stopping' if hack_stop else ''))
-    if master and it == max_iters and first_eval is not None:
-        print(f"eval composite before {first_eval['composite']:.4f} -> after {ev['composite']:.4f}")
-    return ev
+    if master and line:  # the checkpoint of the evaluation before the alarm is kept
+        alarm.announce(it, line, out_dir, hack_stop)
+    if master and it == max_iters and alarm.base:  # the run's last line: the base model vs now
+        print(alarm.summary(ev))
 
 def checkpoint_or_stop(it):
     """Checkpoint every save_every iterations, at the end, on a stop request (SIGTERM: every rank
     asks once an iteration) and at a tripped alarm with hack_stop. True: the run stops here."""
     stop, halt = preemption.requested(device), hack_stop and alarm.tripped is not None
     if (save_every and it % save_every == 0) or it == max_iters or stop or halt:
-        save_checkpoint()
+        run.save()
     if stop and master:
         print(f'preempted: checkpoint of iteration {it} written; the same command continues')
     return stop or halt
 
 # ----------------------------------------------------------------------------- training loop
-if master:  # written once everything has loaded: a run that fails to start leaves out_dir as it was
-    rundir.record(out_dir, history, config, iter_num, world)  # config.json: what changed when
-    checkpoint.forget_after(out_dir, iter_num, eval_owed)  # a crash: each iteration logged once
-log = rundir.Log(out_dir, master, wandb_project if wandb_log else '', config)  # metrics.jsonl
-first_eval = None  # the base model's evaluation, for the run's last line
-ev = held_out(iter_num) if eval_owed else None  # the base model, or an evaluation cut short
-first_eval = ev if iter_num == 0 else None
+if master:  # once everything has loaded: a run that fails to start leaves out_dir as it was
+    rundir.record(out_dir, history, config, run.iter_num, world, run.eval_owed)  # config.json
+log = rundir.Log(out_dir, master, wandb_project, config)  # metrics.jsonl, the console, wandb
+if run.eval_owed:  # the base model's, or an evaluation a stop cut short
+    held_out(run.iter_num)
 policy.train()
-while iter_num < max_iters:
-    t0 = time.time()
+while run.iter_num < max_iters:
+    it, t0 = run.iter_num, time.time()
     parallel.reset_peak_memory(device)  # the logged peaks are this iteration's
-    preemption.begin(save_checkpoint, controller, passes)  # a stop saves iteration iter_num
-    steps, s_t = trained_steps(iter_num)            # the SDE's steps, each trained; S_t (N,)
-    clips = rollout(iter_num, steps)                # G clips a prompt: each step's x_t, mean, logp
+    preemption.begin(run.save, controller, run.passes)  # a stop saves iteration `it`
+    steps, s_t = trained_steps(it)                  # the SDE's steps, each trained; S_t (N,)
+    clips = rollout(it, steps)                      # G clips a prompt: each step's x_t, mean, logp
     t1 = time.time()
     scores = score(clips, steps)                    # {'VQ', 'MQ', 'TA'}: (n,) each
     t2 = time.time()
     clips['adv'], clips['valid'], batch = advantages(scores)  # within each group; NaN: left out
-    diag = {} if not diag_every or iter_num % diag_every else gradient_norms(clips, steps, s_t)
+    diag = {} if not diag_every or it % diag_every else gradient_norms(clips, steps, s_t)
     row = update(clips, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
-    iter_num += 1
+    run.iter_num = it = it + 1
     log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1,
                                                  t_update=time.time() - t2))
-    if (eval_every and iter_num % eval_every == 0) or iter_num == max_iters:
-        held_out(iter_num)                          # held-out ODE samples, watchers, the alarm
-    if checkpoint_or_stop(iter_num):
+    if (eval_every and it % eval_every == 0) or it == max_iters:
+        held_out(it)                                # held-out ODE samples, watchers, the alarm
+    if checkpoint_or_stop(it):
         break
-if export_dtype and iter_num == max_iters:  # the aligned model, in the ecosystem's format
+if export_dtype and run.iter_num == max_iters:  # the aligned model, in the ecosystem's format
     export.final(out_dir, export_dtype, solo_timeout, master, fam.TRANSFORMER)
-del policy, anchor  # their FSDP state holds the process group: freed before it is destroyed
+preemption.stepped()  # drops its run.save: nothing may hold the FSDP modules past here
+del policy, anchor, run  # their FSDP state holds the process group: freed before it is destroyed
 parallel.close()

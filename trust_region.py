@@ -134,7 +134,7 @@ class Anchor:
 
     def state_dict(self):
         # name -> the anchor's own tensors (no copy, like nn.Module.state_dict): trainable-parameter
-        # names of the model; under FSDP2 sharded DTensors, to save with torch.distributed.checkpoint
+        # names of the model; under FSDP2 sharded DTensors, to save with distributed.checkpoint
         # or gather with .full_tensor() on every rank. {} for 'none' / 'stepwise'.
         return dict(self.weights)
 

@@ -121,10 +121,19 @@ def score(reward_fn, frames, prompts, fps, weights, latent_shape, window, granul
     return dict(scores, credit=credit_map(g, latent_shape, seen, window, granularity))
 
 
+def scorer(reward_fn, weights, latent_shape, window, granularity):
+    """score() as a reward_fn(frames, prompts, fps): train.py's score_fn with credit='tvrl'."""
+    def score_fn(frames, prompts, fps):
+        return score(reward_fn, frames, prompts, fps, weights, latent_shape, window, granularity)
+    return score_fn
+
+
 def reweight(clips, credit, steps):
     """The rollout's log-probs of the trained steps in the credit-weighted mean (sde.log_prob), the
-    reduction the update computes them in: the ratio is 1 at theta_old. Returns credit."""
+    reduction the update computes them in: the ratio is 1 at theta_old. Returns credit (n, 1, F, h,
+    w) on the clips' device and each clip's largest credit (n,), for the log."""
+    credit = credit.to(clips['xs'].device)
     for t in steps:
         clips['logps'][:, t] = sde.log_prob(clips['xs'][:, t + 1], clips['means'][:, t],
                                             clips['stds'][:, t], credit)
-    return credit
+    return credit, credit.flatten(1).amax(1)

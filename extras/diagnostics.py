@@ -28,6 +28,18 @@ from infra import parallel
 from infra.optimizer import zero_grad
 
 
+def reward_row(batch, dims):
+    """The log's fields of an iteration's rewards, all ranks', from train.py's advantages: batch
+    {'r' (P, G) composites, 'c' (P, G, K) components in `dims` order, 'std' (P, 1) of each group,
+    'valid' (P, G)}. A NaN (a clip left out) is left out of the means."""
+    std = batch['std']  # a column made contiguous: a strided one sums in another order (last bit)
+    return dict(reward=torch.nanmean(batch['r'].flatten()).item(),
+                **{k: torch.nanmean(batch['c'][..., j].contiguous()).item() for j, k in enumerate(dims)},
+                group_std=std.mean().item(),
+                zero_adv_frac=(std.flatten() <= 1e-6).float().mean().item(),  # equal rewards: no signal
+                nan_rewards=int((~batch['valid']).sum()))
+
+
 class UpdateStats:
     def __init__(self, n_terms, clip_range):
         """n_terms: the (clip, trained step) terms of this rank's update, over all optimizer steps."""
@@ -45,7 +57,7 @@ class UpdateStats:
 
     def add(self, loss, terms):
         """One micro-batch: its loss and its per-clip terms {'kl_pos', 'kl_vel', 'ratio', 'drift'} (n,)
-        (drift None: measured by recompute_old)."""
+        (drift None: measured by the update's recomputation of the old log-probs)."""
         if terms.get('drift') is not None:
             self.drifted(terms['drift'])
         ratio_dev = (terms['ratio'] - 1).abs()  # vs clip_range; float noise at theta_old
@@ -86,12 +98,24 @@ def grad_norm(loss, optimizers, weight):
     (loss * weight).backward()
     n = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     zero_grad(optimizers)
-    return whole(n)
+    return (n.full_tensor() if isinstance(n, DTensor) else n).item()  # FSDP2: a DTensor
 
 
-def whole(norm):
-    """A gradient norm as a float: under FSDP2 a DTensor, whose value is its full tensor's."""
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+class NonFinite:
+    """Optimizer steps skipped in a row for a non-finite global gradient norm (NaN or inf: the step
+    would write NaN weights, moments and lambda). nonfinite(norm, iteration) -> True: skip this
+    step; the `stop`-th in a row ends the run with one line (the newest checkpoint is good)."""
+
+    def __init__(self, stop, out_dir):
+        self.stop, self.out_dir, self.row = stop, out_dir, 0
+
+    def __call__(self, norm, iteration):
+        self.row = 0 if math.isfinite(norm) else self.row + 1
+        if self.row >= self.stop:
+            raise SystemExit(f'iteration {iteration}: {self.row} optimizer steps in a row had a '
+                             f'non-finite gradient norm ({norm}); none was taken, and the newest '
+                             f'checkpoint in {self.out_dir} is the last good one')
+        return self.row > 0
 
 
 def gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary=None):

@@ -76,6 +76,15 @@ class Muon(torch.optim.Muon):
         return None
 
 
+def clip_grad_norm(optimizers, max_norm):
+    """torch's clip_grad_norm_ over the optimizers' parameters, in place; the global norm before the
+    clip as a float (NaN or inf as found). Under FSDP2 the gradients are sharded DTensors: the norm
+    is of all ranks' shards (a collective), the value of its full tensor."""
+    params = [p for o in optimizers for g in o.param_groups for p in g['params']]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+
 def zero_grad(optimizers):
     """Free the gradients through the optimizers' own (sharded) tensors. Never model.zero_grad() under
     FSDP2: after a no-grad forward the root unit stays unsharded (docs/method.md section 12.2), its

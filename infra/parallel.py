@@ -137,6 +137,20 @@ def check_layout(world, shard_size, sp_size, n_clips):
     return shard_size
 
 
+def layout(rank, world, shard_size, sp_size, sp_mesh, n_clips, log=None):
+    """check_layout()'s shard_size, and this rank's share of an iteration's n_clips: (shard_size,
+    dp_rank, dp_world, dp_group, clip_ids: the global indices of its clips). An sp group (consecutive
+    ranks) is one data-parallel rank, its ranks hold the same clips; dp_group: one rank of each sp
+    group (None: the whole world). log: where describe()'s line goes, in a distributed run."""
+    shard_size = check_layout(world, shard_size, sp_size, n_clips)
+    if log and world > 1:
+        log(describe(world, shard_size, sp_size))
+    dp_rank, dp_world = rank // sp_size, world // sp_size
+    n = n_clips // dp_world
+    group = sp_mesh['dp'].get_group() if sp_mesh else None
+    return shard_size, dp_rank, dp_world, group, list(range(dp_rank * n, (dp_rank + 1) * n))
+
+
 def describe(world, shard_size, sp_size):
     """'layout: 64 ranks; weights sharded over 8 and replicated 8x (HSDP); sp 2'"""
     hsdp = f' and replicated {world // shard_size}x (HSDP)' if shard_size < world else ''
@@ -288,6 +302,14 @@ def mean(x, device):
     t = torch.tensor([float(x)], device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+def peak_memory(device):
+    """The log's fields of the peaks since the last reset_peak_memory(): 'peak_mem_gb' (the largest
+    rank's allocated), 'peak_mem_gb_ranks' (every rank's) and 'peak_mem_reserved_gb' (the largest's)."""
+    mem, reserved = peak_memory_gb(device), peak_memory_gb(device, 'reserved')
+    return dict(peak_mem_gb=mem.max().item(), peak_mem_gb_ranks=mem.tolist(),
+                peak_mem_reserved_gb=reserved.max().item())
 
 
 def peak_memory_gb(device, kind='allocated'):

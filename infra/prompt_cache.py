@@ -26,10 +26,19 @@ import json
 import os
 import shutil
 
+import torch
+
 from infra import parallel
 
 CHUNK = 256  # prompts encoded and written per shard file (rank 0 holds one chunk at a time)
 INDEX = 'index.json'
+
+
+def choose(n, k, seed):
+    """k indices of n prompts for an iteration, drawn from seed: distinct when k <= n, else with
+    repeats (a prompt file shorter than an iteration)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(n, generator=g)[:k] if k <= n else torch.randint(n, (k,), generator=g)).tolist()
 
 
 def read_prompts(path):

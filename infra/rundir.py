@@ -1,6 +1,6 @@
 """
-One run's directory (out_dir): what is in it, the lock, the history of its settings, and whether a
-start continues the run it holds.
+One run's directory (out_dir): what is in it, the lock, the history of its settings, whether a
+start continues the run it holds, and the loop's state that its checkpoints carry (Run).
 
     python train.py config/toy.py                     # a new run, or the run out_dir holds, continued
     python train.py config/toy.py --max_iters=80      # the same run, trained on to iteration 80
@@ -47,7 +47,7 @@ SAFE = frozenset((
     'out_dir', 'init_from', 'max_iters',
     'eval_every', 'eval_samples', 'eval_videos', 'eval_steps', 'eval_prompts', 'eval_metrics',
     'clip_dir', 'pickscore_dir', 'save_every', 'keep_checkpoints', 'export_dtype', 'diag_every',
-    'wandb_log', 'wandb_project',
+    'wandb_project',
     'rollout_batch', 'train_batch', 'gradient_checkpointing', 'attention', 'attention_backend', 'device',
     'sp_size', 'dist_timeout', 'shard_size', 'solo_timeout',
 ))
@@ -221,9 +221,11 @@ def history_of(out_dir, settings=None):
     return h
 
 
-def record(out_dir, history, config, iter_num, world):
+def record(out_dir, history, config, iter_num, world, eval_owed=None):
     """Rank 0, once the start has loaded: config.json gains this start (iteration, world size, time,
-    the settings changed since the last one), written by rename. history: claim()'s (None: new run)."""
+    the settings changed since the last one), written by rename. history: claim()'s (None: new run).
+    eval_owed given (True or False): the log rows and eval videos of iterations after iter_num (a
+    crash's) go too (checkpoint.forget_after), so each iteration is logged once."""
     h = history or dict(settings=config, starts=[])
     start = dict(iter=iter_num, world=world, time=time.strftime('%Y-%m-%d %H:%M:%S'))
     changed = {k: [h['settings'].get(k), v] for k, v in config.items()
@@ -236,3 +238,42 @@ def record(out_dir, history, config, iter_num, world):
     with open(path + '.tmp', 'w') as f:
         json.dump(dict(settings=config, starts=h['starts'] + [start]), f, indent=1)
     os.replace(path + '.tmp', path)
+    if eval_owed is not None:
+        checkpoint.forget_after(out_dir, iter_num, eval_owed)
+
+
+class Run:
+    """The loop's state that outlives a process: the iteration, the optimizer steps, the transformer
+    passes by kind (models/policy.count_passes), whether an evaluation is owed (a new run owes the
+    base model's; a stop during one owes it again), and `parts`' state_dicts (the lambda controller,
+    the alarm). save() writes them with the weights, the optimizers' and the anchor's shards into a
+    checkpoint (infra/checkpoint.py; a collective), resume() reads out_dir's newest intact one."""
+
+    def __init__(self, out_dir, keep, model, optimizers, anchor, pass_kinds, fixed, **parts):
+        self.out_dir, self.keep, self.model, self.optimizers, self.anchor = (out_dir, keep, model,
+                                                                             optimizers, anchor)
+        self.fixed, self.parts = fixed, parts  # fixed: saved as given (the config, the world size)
+        self.iter_num, self.opt_steps, self.eval_owed = 0, 0, True
+        self.passes = dict.fromkeys(pass_kinds, 0)
+
+    def resume(self, ckpts, log=print):
+        """The first intact checkpoint of ckpts (claim()'s, newest first) into the model, optimizers,
+        anchor, parts and counters; none (a new run): they stay as built."""
+        loop = checkpoint.resume(ckpts, self.model, self.optimizers, self.anchor, log=log)
+        if not loop:
+            return
+        self.iter_num, self.opt_steps = loop['iter_num'], loop['opt_steps']
+        self.passes.update(loop.get('passes', {}))
+        self.eval_owed = loop.get('eval_owed', False)
+        for name, part in self.parts.items():  # a part an older checkpoint lacks keeps its state
+            if name in loop:
+                part.load_state_dict(loop[name])
+
+    def save(self, eval_owed=False):
+        """Collective: each rank writes its shards, rank 0 publishes <out_dir>/ckpt_<iteration>."""
+        loop = dict(iter_num=self.iter_num, opt_steps=self.opt_steps, passes=self.passes,
+                    eval_owed=eval_owed, **self.fixed,
+                    **{name: part.state_dict() for name, part in self.parts.items()})
+        path = os.path.join(self.out_dir, f'{checkpoint.PREFIX}{self.iter_num:06d}')
+        return checkpoint.save(path, self.model, self.optimizers, self.anchor.state_dict(), loop,
+                               self.keep)

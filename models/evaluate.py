@@ -26,6 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from infra import checkpoint
 from models import family_of
 from models.policy import count_passes, generators, noise, sample, save_mp4, seed_of
 from reward import combine
@@ -100,6 +101,17 @@ class Alarm:
                 + ', '.join(f'{k} {stats[k][0]:.4f} -> {stats[k][1]:.4f} (SE {stats[k][2]:.4f})' for k in tripped)
                 + ' (against the base model, paired over the held-out items, at two evaluations in a row)')
         return dict(alarm=tripped, watch_flagged=flagged), line
+
+    def announce(self, iter_num, line, out_dir, hack_stop):
+        """Rank 0: the alarm's line; the checkpoint of the last evaluation before it is pinned, so no
+        rotation removes it."""
+        kept = checkpoint.pin(out_dir, self.kept, f'the last evaluation before the alarm of {iter_num}')
+        print(line + (f'; {kept} is kept' if kept else '') + ('; hack_stop: stopping' if hack_stop else ''))
+
+    def summary(self, means):
+        """'eval composite before <the base model's> -> after <means'>': the run's last line."""
+        before = torch.tensor([r['composite'] for r in self.base]).nanmean().item()
+        return f"eval composite before {before:.4f} -> after {means['composite']:.4f}"
 
     def state_dict(self):
         return dict(base=self.base, flagged=self.flagged, tripped=self.tripped, last=self.last)

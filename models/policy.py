@@ -163,6 +163,12 @@ def batch_text(cache, prompts, device, dtype=torch.float32):
     return out
 
 
+def guided_text(cache, prompts, negative, device):
+    """batch_text() of the prompts and of as many negative prompts: the (text, text_neg) of a guided
+    velocity (classifier-free guidance's two branches)."""
+    return batch_text(cache, prompts, device), batch_text(cache, [negative] * len(prompts), device)
+
+
 def _cat_text(a, b):
     out = []
     for ta, tb in zip(a, b):  # pad both to a common length, then stack on the batch

@@ -135,7 +135,7 @@ def hand_count(iters, evals, world=1, P=2, G=2, steps=N, n_train=2, cfg=1.0, dia
     evaluations, counted by hand from the settings (dual KL: one anchor forward per trained step)."""
     b = 2 if cfg != 1.0 else 1
     per_diag = 4 * world * b if diag else 0  # first, last, and the middle step twice (policy, KL): 1 clip a rank
-    old = iters * P * G * n_train * b if updates > 1 else 0  # recompute_old: the old log-probs in the update's shape
+    old = iters * P * G * n_train * b if updates > 1 else 0  # the old log-probs recomputed in the update's shape
     return dict(rollout=iters * P * G * steps * b, old=old, anchor=iters * P * G * n_train * b, update=iters * P * G * n_train * b,
                 diag_anchor=iters * per_diag, diag=iters * per_diag, eval=evals * n_eval * steps * b)
 

@@ -58,7 +58,7 @@ def test_expandable_segments_before_cuda_starts(fake_cuda, monkeypatch, user):
     assert 'PYTORCH_CUDA_ALLOC_CONF' not in os.environ or user == 'PYTORCH_CUDA_ALLOC_CONF'  # CPU: not touched
 
 
-def test_peaks_allocated_and_reserved_reset_each_iteration(fake_cuda):
+def test_peaks_allocated_and_reserved_reset_each_iteration(fake_cuda, monkeypatch):
     assert parallel.peak_memory_gb('cuda').tolist() == [3.0]  # the existing call: allocated
     assert parallel.peak_memory_gb('cuda', 'reserved').tolist() == [5.0]
     parallel.reset_peak_memory('cuda')
@@ -67,7 +67,9 @@ def test_peaks_allocated_and_reserved_reset_each_iteration(fake_cuda):
     assert fake_cuda['resets'] == 1
     # train.py logs both, and starts the next iteration's peaks after its row
     src = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), 'train.py')).read()
-    assert "parallel.peak_memory_gb(device, 'reserved')" in src and 'parallel.reset_peak_memory(device)' in src
+    assert 'parallel.peak_memory(device)' in src and 'parallel.reset_peak_memory(device)' in src
+    monkeypatch.setattr(parallel.dist, 'is_initialized', lambda: False)
+    assert parallel.peak_memory('cuda') == dict(peak_mem_gb=3.0, peak_mem_gb_ranks=[3.0], peak_mem_reserved_gb=5.0)
 
 
 def test_watchers_in_bf16_on_a_gpu_score_as_fp32(tmp_path, monkeypatch):

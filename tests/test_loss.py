@@ -64,15 +64,15 @@ def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=No
         means[eye] = mean_old
     clips = dict(xs=torch.zeros(n, n + 1, 1), logps=logps, means=means, adv=adv, valid=valid, prompts=[''] * n)
 
-    def step(x, v, s, s_next, sampler, eta, x_next=None, weight=None):
+    def step():  # train.py's policy_step: one forward and the SDE step at it
         if torch.is_grad_enabled():  # the policy's grad forward
             return SimpleNamespace(mean=mean, std=std, logp=logp)
         return SimpleNamespace(mean=mean_anchor, std=std, logp=None)  # the anchor's, under no_grad
-    names = dict(torch=torch, sde=SimpleNamespace(step=step), velocity=lambda *a: None, on_policy=on_policy,
+    names = dict(torch=torch, policy_step=lambda clips, b, t: step(),
+                 on_policy=on_policy,
                  tr=SimpleNamespace(gaussian_kl=gaussian_kl),
                  anchor=SimpleNamespace(applied=lambda policy: contextlib.nullcontext()), policy=None,
-                 sigmas=torch.linspace(1, 0, n + 1), text_for=lambda ps: (None, None), credit='none', cfg=1.0,
-                 sampler='sage', eta=0.5, clip_range=EPS, device='cpu', kl_estimator=kl_estimator,
+                 clip_range=EPS, device='cpu', kl_estimator=kl_estimator,
                  kl_pos_weight=beta_pos if mean_anchor is not None else 0.0,
                  kl_vel_weight=beta_vel if mean_old is not None else 0.0)
     exec(train_function('step_loss'), names)
