@@ -19,7 +19,7 @@ lambda (train.py's 'fixed' strategy, no controller: its lambda_KL tops at 1e-5);
 drawn per iteration for every clip (train.py: per clip), so a step is one batched masked forward; the
 group shares its initial noise (KVPO's branches do: the variation is the SDE's alone). Every rank holds
 the whole model and gradients are averaged, as kvpo/train.py.
-Tested by: python -m pytest tests/test_kvpo_sde.py
+Tested by: python -m pytest tests/test_kvpo_sde.py (2 ranks: -m slow)
 """
 import copy
 import os
@@ -174,8 +174,8 @@ def update(groups, it, train, s_t):
     """One AdamW step on the mean over valid clips x trained steps of all ranks: per group and step one
     masked forward (sde_ar.step_at), the initial model's first and without grad; gradients averaged."""
     opt.zero_grad(set_to_none=False)
-    n_valid = parallel.mean(sum(g['valid'].sum().item() for g in groups), device) * world
-    denom = max(1.0, n_valid) * len(train) / world  # the sum over ranks of each rank's loss: the mean
+    n_valid = parallel.mean(sum(g['valid'].sum().item() for g in groups), device) * world  # over all ranks
+    denom = max(1.0, n_valid) * len(train)  # each rank's share: their sum (the all-reduce below) is the mean
     stats = dict(loss=0.0, kl=0.0, ratio_max=0.0, drift=0.0)
     for g in preemption.points(groups):  # a stop here drops these gradients: the weights have not moved
         for k in train:
@@ -191,7 +191,7 @@ def update(groups, it, train, s_t):
             per_clip = policy_term + kl_coef * kl
             loss = torch.where(g['valid'], per_clip, 0.0).sum() / denom  # where(): 0 * NaN would leak
             loss.backward()
-            stats['loss'] += loss.item()
+            stats['loss'] += loss.item() * world  # this rank's share x world: the ranks' mean is the loss
             stats['kl'] += kl.mean().item() / len(train) / len(groups)
             stats['ratio_max'] = max(stats['ratio_max'], ratio.max().item())
             rolled = g['logps'][:, k].mean(-1)  # the rollout's log-prob of the clip's step k (G,)

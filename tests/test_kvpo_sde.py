@@ -6,11 +6,14 @@ here. python -m pytest tests/test_kvpo_sde.py
   brute-force replay: one masked full forward of the clean frames before the block (each seeing its
   window, at timestep 0) and the noisy block, the mask built here, and SAGE's mean written out;
 - recomputed under the same weights (one teacher-forced forward per step), the clip's log-prob equals the
-  rollout's, and its gradient equals the brute-force replay's (through the context keys too).
+  rollout's, and its gradient equals the brute-force replay's (through the context keys too);
+- kvpo/grpo_ar.py run as a user runs it on the committed toy (ratio 1, no drift from the rollout's log-probs),
+  and (slow tier) 2 gloo ranks equal one process.
 """
 import math
 import os
 
+import pytest
 import torch
 
 import sde
@@ -116,3 +119,19 @@ def test_grpo_ar_runs_on_the_toy(tmp_path, monkeypatch):
     it = [r for r in rows if 'loss' in r]
     assert all(r['ratio_max'] == 1.0 and r['drift'] < 1e-5 and r['grad_norm'] > 0 and r['group_std'] > 0 for r in it)
     assert os.path.exists(os.path.join(out, 'latest'))
+
+
+@pytest.mark.slow
+def test_grpo_ar_two_ranks_equal_one_process(tmp_path):
+    # 2 gloo ranks, one prompt each, against one process with both: the same prompts, noises and update
+    from test_train import metrics, run, weights
+    one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+    args = ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', '--prompts_per_iter=2', '--group=3', '--max_iters=2',
+            '--eval_every=0', '--save_every=0', '--learning_rate=1e-3']
+    run(args + [f'--out_dir={one}'])
+    run(args + [f'--out_dir={two}'], torchrun=True)
+    a, b = weights(one), weights(two)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    for x, y in zip(metrics(one), metrics(two)):
+        for k in ('reward', 'group_std', 'grad_norm'):  # the loss is ~0 (advantages sum to 0): float noise
+            assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-9), k
