@@ -9,7 +9,8 @@ every importlib.import_module of a literal name):
 - models/ and extras/ import neither train.py nor sample.py, and extras/ is imported by no file of
   models/ or infra/ (an add-on stays one);
 - no file outside models/ imports a model family file (a family is picked by its model directory);
-- kvpo/ (KVPO, the streaming method) imports models/, infra/, reward.py and sde.py; nothing imports kvpo/;
+- kvpo/ (KVPO, the streaming method, and its GRPO-with-an-SDE baseline) imports models/, infra/, reward.py
+  and the method files; nothing imports kvpo/;
 - no import circle between files;
 - a family file that lacks an item of the interface is one error that names the item.
 """
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARD = {'sde.py', 'equalizer.py', 'trust_region.py', 'reward.py', 'train.py', 'sample.py'}
 METHOD = {'sde', 'equalizer', 'trust_region'}
 FOLDERS = ('models', 'infra', 'extras', 'kvpo')
-KVPO_USES = ('models', 'infra', 'reward', 'sde', 'kvpo')  # what kvpo/ (a method beside the card) may import
+KVPO_USES = ('models', 'infra', 'reward', 'sde', 'equalizer', 'trust_region', 'kvpo')  # what kvpo/ may import
 FAMILIES = {'models.hunyuan15', 'models.wan', 'models.toy'}
 REWARD_MODEL = 'models.videoalign'  # the one file of the folders reward.py imports
 
