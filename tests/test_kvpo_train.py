@@ -6,7 +6,11 @@ training script for 2 steps: random-ish weights, the family's layout). python -m
   own), the clip inert;
 - (slow tier, ~2 min on a loaded 2-core machine) a run stopped at iteration 2 and resumed to 3 equals a run
   of 3 straight (weights, EMA and old policy bitwise; every logged figure but the timings);
-- 2 gloo ranks (one prompt each) equal one process with both prompts (slow tier).
+- 2 gloo ranks (one prompt each) equal one process with both prompts (slow tier);
+- (slow tier) a SIGTERM during iteration 2's first rollout (a real os.kill of the process, from a hook in
+  kvpo.rollout) stops the run at the next prompt's boundary with exit 0 and the checkpoint of iteration 1,
+  no row of iteration 2 logged; the same command then resumes and equals a run of 2 straight (weights,
+  EMA and old policy bitwise; every logged figure but the timings).
 """
 import math
 import os
@@ -15,6 +19,23 @@ import pytest
 import torch
 
 from test_train import metrics, run, weights
+
+# kvpo.train with kvpo.rollout wrapped: the $KVPO_TERM_AT-th call (1-based, over the run) first SIGTERMs
+# this process, as a scheduler does; the run goes on to its next preemption boundary
+TRIGGER = '''
+import os, runpy, signal, sys
+sys.path.insert(0, os.getcwd())
+from kvpo import kvpo
+inner, calls = kvpo.rollout, []
+def rollout(*a, **kw):
+    calls.append(1)
+    if len(calls) == int(os.environ['KVPO_TERM_AT']):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return inner(*a, **kw)
+kvpo.rollout = rollout
+sys.argv = ['kvpo.train'] + sys.argv[1:]
+runpy.run_module('kvpo.train', run_name='__main__')
+'''
 
 ARGS = ['-m', 'kvpo.train', 'kvpo/config/toy.py', '--prompts_per_iter=2', '--group=3', '--eval_samples=1',
         '--save_every=0', '--learning_rate=1e-3']
@@ -93,3 +114,23 @@ def test_two_ranks_equal_one_process(model, tmp_path):
         for k, v in x.items():
             if k not in TIMES and isinstance(v, float):
                 assert y[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.slow
+def test_sigterm_mid_iteration_saves_the_last_finished_one_and_resumes_bitwise(model, tmp_path):
+    straight, cut = str(tmp_path / 'straight'), str(tmp_path / 'cut')
+    run(args(model, straight, 2, eval_every=2))
+    # 2 prompts an iteration: call 3 is iteration 2's first rollout; the stop comes before the second
+    p = run(['-c', TRIGGER] + args(model, cut, 2, eval_every=2)[2:], env=dict(KVPO_TERM_AT='3'))
+    assert 'preempted:' in p.stdout and 'ckpt_000001' in p.stdout, p.stdout[-2000:]
+    assert open(os.path.join(cut, 'latest')).read().strip() == 'ckpt_000001'
+    assert [r['iter'] for r in metrics(cut)] == [0, 1]  # the base model's evaluation, iteration 1
+    run(args(model, cut, 2, eval_every=2))  # the same command continues
+    a, b = weights(straight), weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from infra import checkpoint
+    latest = lambda out: os.path.join(out, open(os.path.join(out, 'latest')).read().strip())
+    ea, eb = checkpoint.read_tensors(latest(straight), 'anchor'), checkpoint.read_tensors(latest(cut), 'anchor')
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMES} for r in rs]
+    assert strip(metrics(straight)) == strip(metrics(cut))
