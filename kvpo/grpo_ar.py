@@ -50,6 +50,9 @@ group = 6                       # G: clips a prompt
 shared_noise = True             # the group shares one initial noise: its variation is the SDE's alone
 adv_clip = 5.0                  # advantages are clipped to +-adv_clip
 equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
+adv_shuffle = False             # a control, not the method: permute each group's advantages at random (seeded)
+ta_brightness = False           # a machinery check, not a reward: TA := the clips' mean pixel value (trained alone
+                                # with reward_weights (0, 0, 1); the held-out evaluation keeps the real reward)
 clip_range = 1e-4               # PPO ratio clip
 kl_coef = 1e-5                  # lambda x beta_pos of KL(mean_theta || mean_init) (0: off, one forward less)
 learning_rate = 1e-5            # AdamW, constant after the warm-up
@@ -154,19 +157,24 @@ def rollout(it, j, prompt, steps):
     x1 = noise((C, frames, h, w), generators([seed_of(seed, 'noise', it, j, g) for g in ids]), device)
     gens = generators([seed_of(seed, 'rollout', it, j, g) for g in range(group)])  # the SDE's noise
     clips, rec = sde_ar.generate(policy, x1, ctx, steps, sampler, eta, gens)
-    return dict(rec, ctx=ctx, clips=clips, prompt=prompt)
+    return dict(rec, ctx=ctx, clips=clips, prompt=prompt, j=j)
 
 
 @torch.no_grad()
 def score(g):
-    """{'VQ', 'MQ', 'TA': (G,)} of the group's clips."""
-    sc = reward_fn(decode(g['clips']), [g['prompt']] * group, fps)
-    return {k: sc[k].float().cpu() for k in reward.DIMS}
+    """{'VQ', 'MQ', 'TA': (G,)} of the group's clips (ta_brightness: TA their mean pixel value)."""
+    frames = decode(g['clips'])  # (G, F, 3, H, W)
+    sc = {k: v.float().cpu() for k, v in reward_fn(frames, [g['prompt']] * group, fps).items() if k in reward.DIMS}
+    return sc | dict(TA=frames.float().flatten(1).mean(1).cpu()) if ta_brightness else sc
 
 
-def advantages(sc):
-    """GRPO's group-normalised advantages (G,), which clips count (G,), the group's reward std."""
+def advantages(sc, it, j):
+    """GRPO's group-normalised advantages (G,), which clips count (G,), the group's reward std. With
+    adv_shuffle (bench/kvpo_diagnosis.py's control) the advantages are permuted within the group, a draw
+    seeded by (iteration, prompt): the same update size and statistics, no assignment to the clips."""
     adv, valid, std = reward.group_advantages(reward.combine(sc, reward_weights)[None], adv_clip)
+    if adv_shuffle:
+        adv = adv[:, torch.randperm(group, generator=torch.Generator().manual_seed(seed_of(seed, 'shuffle', it, j)))]
     return adv[0].to(device), valid[0].to(device), std.item()
 
 
@@ -252,7 +260,7 @@ while True:
     groups = [rollout(iter_num, j, p, steps) for j, p in preemption.points(my_prompts(iter_num))]
     for g in groups:
         g['scores'] = score(g)
-        g['adv'], g['valid'], g['std'] = advantages(g['scores'])
+        g['adv'], g['valid'], g['std'] = advantages(g['scores'], iter_num, g['j'])
     t1 = time.time()
     st = update(groups, iter_num, train, s_t)
     iter_num += 1

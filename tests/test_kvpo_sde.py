@@ -135,3 +135,25 @@ def test_grpo_ar_two_ranks_equal_one_process(tmp_path):
     for x, y in zip(metrics(one), metrics(two)):
         for k in ('reward', 'group_std', 'grad_norm'):  # the loss is ~0 (advantages sum to 0): float noise
             assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-9), k
+
+
+def test_grpo_ar_shuffled_advantages_same_rollout_other_update(tmp_path, monkeypatch):
+    # bench/kvpo_diagnosis.py's control: --adv_shuffle=True permutes each group's advantages, nothing else, so
+    # the first rollout (before any update) is the real run's, reward and group std bitwise; the update differs
+    # (the permutation of 3 draws is not the identity here); the default stays the real assignment
+    import runpy
+    import sys
+    from test_train import metrics, weights
+
+    def one(name, *extra):
+        out = str(tmp_path / name)
+        monkeypatch.setattr(sys, 'argv', ['kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', '--prompts_per_iter=1',
+                                          '--group=3', '--max_iters=1', '--eval_every=0', '--save_every=0',
+                                          '--warmup=1', f'--out_dir={out}', *extra])
+        runpy.run_module('kvpo.grpo_ar', run_name='__main__')
+        return metrics(out)[0], weights(out)
+    (real, w_real), (shuf, w_shuf), (_, w_off) = one('real'), one('shuf', '--adv_shuffle=True'), \
+        one('off', '--adv_shuffle=False')
+    assert (shuf['reward'], shuf['group_std']) == (real['reward'], real['group_std']) and shuf['grad_norm'] > 0
+    assert max((w_real[k] - w_shuf[k]).abs().max().item() for k in w_real) > 0
+    assert all(torch.equal(w_real[k], w_off[k]) for k in w_real)
