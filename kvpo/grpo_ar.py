@@ -99,8 +99,7 @@ init, ema = (copy.deepcopy(policy).eval().requires_grad_(False) for _ in range(2
 trained = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
 ema_p = dict(ema.named_parameters())
 encode, decode = fam.text_encoder(model, device), fam.load_decoder(model, device)
-reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device,
-                                           (getattr(fam, 'reward', None), getattr(fam, 'manifold_distance', None)))
+reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device, family=fam)
 C, _, h, w = fam.latent_shape(model, fam.DEFAULTS['num_frames'], fam.DEFAULTS['height'], fam.DEFAULTS['width'])
 opt = torch.optim.AdamW([p for _, p in trained], lr=learning_rate, weight_decay=weight_decay)
 train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompts)[0]
@@ -126,9 +125,8 @@ held = HeldOut(eval_list, eval_samples, seed=seed, sigmas=None, cfg=1.0, shape=(
                leads=True, passes={'eval': 0}, preemption=preemption, device=device)  # kvpo/train.py's
 log = rundir.Log(out_dir, master)
 log.line = lambda r: ' '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in r.items())
-if master:
-    rundir.record(out_dir, history, config, iter_num, world)
-checkpoint.forget_after(out_dir, iter_num, eval_owed=True)  # a checkpoint precedes its iteration's evaluation
+if master:  # config.json's start; later rows go (a checkpoint precedes its iteration's evaluation: owed)
+    rundir.record(out_dir, history, config, iter_num, world, eval_owed=True)
 
 
 # ----------------------------------------------------------------------------- the phases
