@@ -84,6 +84,15 @@ def cell(name, fn):
     return res
 
 
+def write_report(out, res, md):
+    """A bench's results: res as out.json, the markdown lines md as out.md, md on the console."""
+    with open(out + '.json', 'w') as f:
+        json.dump(res, f, indent=1)
+    with open(out + '.md', 'w') as f:
+        f.write('\n'.join(md) + '\n')
+    print('\n'.join(md))
+
+
 def table(header, rows):
     """A Markdown table from a header list and rows of already formatted cells."""
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]

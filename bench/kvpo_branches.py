@@ -11,7 +11,6 @@ distance to the anchor's frames from the fork on.
 
 Tested by: running it (the toy's numbers are in results/kvpo_branches.md).
 """
-import json
 import math
 import os
 
@@ -19,6 +18,7 @@ import torch
 
 import reward
 import sde
+from bench.common import write_report
 from infra.configurator import configure
 from kvpo import kvpo, sde_ar
 from models import family, streaming
@@ -90,11 +90,7 @@ def main():
     md += [f'| {names[k]} | {v["routed"]:.4f} | {v["noise"]:.4f} | {v["sde"]:.4f} | '
            + ' | '.join(f'{v[d]["diff"]:+.4f} ({v[d]["se"]:.4f})' for d in ('routed-noise', 'routed-sde')) + ' |'
            for k, v in out.items()]
-    with open(OUT + '.json', 'w') as f:
-        json.dump(out, f, indent=1)
-    with open(OUT + '.md', 'w') as f:
-        f.write('\n'.join(md) + '\n')
-    print('\n'.join(md))
+    write_report(OUT, out, md)
 
 
 if __name__ == '__main__':

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import table
+from bench.common import table, write_report
 from infra.configurator import configure
 
 _argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts reads the command line when imported: not ours
@@ -189,11 +189,7 @@ def report():
         for a, b in PAIRS if P[f'{a} vs {b}']['train']['n']) + '.', '']
     res['verdict'] = md[-2]
     res['steps'] = {p: fmt(v['kl'], 4) for p, v in P.items() if 'kl' in v}  # real - shuffled KL: the step's size
-    with open(OUT + '.json', 'w') as f:
-        json.dump(res, f, indent=1)
-    with open(OUT + '.md', 'w') as f:
-        f.write('\n'.join(md) + '\n')
-    print('\n'.join(md))
+    write_report(OUT, res, md)
 
 
 if __name__ == '__main__':

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import table
+from bench.common import table, write_report
 from infra.configurator import configure
 
 _argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts reads the command line when imported: not ours
@@ -132,11 +132,7 @@ def report():
            f'**{verdicts["GRPO-SDE vs untrained"]}**. Experiments: ' + '; '.join(
                f'{p}: **{v}**' for p, v in verdicts.items() if p.split(' vs ')[0] not in MAIN and v != 'not run') + '.', '']
     res['verdict'] = md[-2]
-    with open(OUT + '.json', 'w') as f:
-        json.dump(res, f, indent=1)
-    with open(OUT + '.md', 'w') as f:
-        f.write('\n'.join(md) + '\n')
-    print('\n'.join(md))
+    write_report(OUT, res, md)
 
 
 if __name__ == '__main__':
