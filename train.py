@@ -61,6 +61,7 @@ kl_max = 1e-5                   # upper clip of lambda_KL, and the end of its wa
 kl_warmup = 100                 # optimizer steps of linear warm-up kl_init -> kl_max (0: none)
 kl_target = 1e-5                # the controller's KL target
 kl_direction = 1                # +1: the printed rule (KL high: lambda relaxes); -1: tightens
+kl_ratio_target = 0.0           # > 0: lambda_KL holds kl_ratio_est here instead (off: the rule above; 5.6)
 optimizer = 'muon'              # 'muon' (2-D matrices, AdamW the rest: released) | 'adamw'
 learning_rate = 1e-5            # constant
 weight_decay = 0.01             # decoupled weight decay of both optimizers
@@ -159,8 +160,10 @@ if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards ov
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
 anchor = tr.Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
 controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target,
-                             warmup=kl_warmup, direction=kl_direction)
+                             warmup=kl_warmup, direction=kl_direction, ratio_target=kl_ratio_target)
 kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  # 0: a term off
+if kl_ratio_target > 0 and kl_update != 'step':
+    raise SystemExit("config error: kl_ratio_target holds lambda_KL per optimizer step: kl_update='step'")
 decode = load_decoder(model, device)
 reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device,
                                            family=fam)  # 'world': the family's own (the toy's)
@@ -274,8 +277,11 @@ def step_loss(clips, b, t, s_t, lam, denom):
             else logp_old - new.logp  # (n,) 0 in expectation at theta_old, its gradient not
     per_clip = policy_term + lam * (kl_pos_weight * kl_pos + kl_vel_weight * kl_vel)  # (n,)
     drift = (new.logp.detach() - clips['logps'][b, t]).abs() if on_policy else None  # vs rollout
+    # what each term asks of the transition mean, per clip (n,): the logged KL/policy ratio (5.6)
+    g_policy, g_kl = (tr.output_grad_sq(x, new.mean) for x in (policy_term, kl_pos_weight * kl_pos
+                                                                + kl_vel_weight * kl_vel))
     terms = dict(policy=policy_term, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv,
-                 valid=clips['valid'][b], drift=drift)
+                 valid=clips['valid'][b], drift=drift, g_policy=g_policy, g_kl=g_kl)
     # a NaN-reward clip drops out whole; where(), not a product: 0 * NaN would leak in
     return torch.where(clips['valid'][b] > 0, per_clip, 0.0).sum() / denom, terms
 
@@ -300,7 +306,7 @@ def update(clips, batch, steps, s_t):
         # the divisor that makes the sum of every micro-batch's, step's and rank's loss (FSDP
         # averages ranks) the mean over valid clips x trained steps, this optimizer step's share
         denom = max(1.0, batch['valid'].sum().item()) * n_train / world / updates_per_iter
-        kls = []
+        kls, g_sq = [], torch.zeros(2, device=device)  # this step's sum ||d/d mean||^2: policy, KL
         # FSDP reduce-scatters after every backward, so gradients stay sharded (accumulating
         # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
         bar = tqdm(micro(chunk), 'update', disable=not master, leave=False)
@@ -310,8 +316,12 @@ def update(clips, batch, steps, s_t):
             stats.add(loss, terms)
             kl = kl_pos_weight * terms['kl_pos'] + kl_vel_weight * terms['kl_vel']  # (n,)
             kls.append(kl.mean().item())
+            g_sq += torch.stack([(terms[k] * terms['valid']).sum() for k in ('g_policy', 'g_kl')])
             if kl_update == 'backward' and math.isfinite(kls[-1]):  # released: the rank's own KL
                 controller.update(kls[-1])  # (ranks' lambdas differ; a checkpoint keeps rank 0's)
+        g_sq = parallel.total(g_sq)  # all ranks' (an sp group counts its clips on both sides)
+        r1 = (g_sq[1] / g_sq[0]).sqrt().item()  # KL/policy gradient ratio at lambda 1 (nan: no terms)
+        stats.ratio(controller.value * r1, updates_per_iter)  # kl_ratio_est: at this step's lambda
         norm = clip_grad_norm(optimizers, grad_clip)  # in place; the norm of all ranks' shards
         stats.stepped(norm, updates_per_iter)
         skipped = nonfinite(norm, run.iter_num + 1)  # NaN or inf: no step, so no NaN weight
@@ -322,7 +332,7 @@ def update(clips, batch, steps, s_t):
             run.opt_steps += 1
             preemption.stepped()  # the weights moved: the iteration runs to its end, then saves
             if kl_update == 'step':  # lambda_KL after each optimizer step, on all ranks' KL
-                controller.update(parallel.mean(sum(kls) / len(kls), device))
+                controller.update(parallel.mean(sum(kls) / len(kls), device), r1)
             anchor.maybe_refresh(policy, run.opt_steps)  # every anchor_every steps (moving, dual)
     count_passes(run.passes, ('anchor', 'update'), device)
     return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group))

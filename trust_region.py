@@ -23,6 +23,7 @@ anchor's refresh period anchor_every (section 5.5): arguments without defaults h
 Tested by: python -m pytest tests/test_trust_region.py   (the FSDP2 part runs torchrun on CPU)
 """
 import contextlib
+import math
 from collections import deque
 
 import torch
@@ -53,6 +54,17 @@ def gaussian_kl(mean, mean_ref, std):
     std = torch.as_tensor(std, dtype=torch.float32, device=mean.device).expand(B)  # (B,)
     sq = (mean.float() - mean_ref.float()).pow(2).flatten(1).mean(1)  # (B,)
     return sq / (2 * std**2)
+
+
+def output_grad_sq(term, mean):
+    """(n,) the squared norm of d term.sum() / d mean for each sample: the gradient a per-sample loss
+    term (n,) sends into the transition mean (n, ...) it is computed from, before the network's
+    Jacobian. Autograd stops at `mean`: no pass through the network, the graph is kept for the
+    backward that follows. The logged KL/policy gradient ratio (docs/method.md 5.6) is built of these."""
+    if not term.requires_grad:  # a term that is off (a zero tensor)
+        return torch.zeros(mean.shape[0], device=mean.device)
+    g, = torch.autograd.grad(term.sum(), mean, retain_graph=True, allow_unused=True)
+    return torch.zeros(mean.shape[0], device=mean.device) if g is None else g.float().flatten(1).pow(2).sum(1)
 
 
 def _trainable(model):
@@ -157,20 +169,34 @@ class KLController:
         k <= warmup:  lam_init + (lam_max - lam_init) * k / warmup    (step 0 trains with lam_init,
                                                                        step `warmup` with lam_max)
         k >  warmup:  the deadband rule on the mean of the last `window` KLs (warm-up KLs count).
+    ratio_target > 0 replaces both (an add-on, docs/method.md 5.6): update(kl, r1) with r1 the step's
+    KL/policy gradient ratio at lambda 1; the KL term's gradient is linear in lambda, so
+        value = ratio_target / mean(the last `window` r1)   (lam_init until an r1 is positive),
+    not clipped (lam_min, lam_max, warmup and target are not read). The window spans one anchor period
+    at the defaults (10 = anchor_every): r1 is 0 right after a refresh and grows until the next, and
+    its mean over a period is what is held.
     """
 
     def __init__(self, lam_init, lam_min, lam_max, target, warmup, window=WINDOW, high=HIGH,
-                 low=LOW, decay=DECAY, grow=GROW, direction=DIRECTION):
+                 low=LOW, decay=DECAY, grow=GROW, direction=DIRECTION, ratio_target=0.0):
         self.lam_init, self.lam_min, self.lam_max, self.target = lam_init, lam_min, lam_max, target
         self.warmup, self.high, self.low, self.direction = warmup, high, low, direction
-        self.decay, self.grow = decay, grow
+        self.decay, self.grow, self.ratio_target = decay, grow, ratio_target
         self.value = lam_init  # lambda_KL of the next optimizer step
         self.updates = 0  # update() calls so far = optimizer steps done
         self.history = deque(maxlen=window)  # the last `window` observed KLs
+        self.ratios = deque(maxlen=window)  # ratio_target: the last `window` r1
 
-    def update(self, kl):
+    def update(self, kl, r1=None):
         self.updates += 1
         self.history.append(float(kl))
+        if self.ratio_target > 0:
+            if r1 is not None and math.isfinite(r1):
+                self.ratios.append(float(r1))
+            mean_r1 = sum(self.ratios) / len(self.ratios) if self.ratios else 0.0
+            if mean_r1 > 0:
+                self.value = self.ratio_target / mean_r1
+            return self.value
         if self.updates <= self.warmup:
             frac = self.updates / self.warmup
             self.value = self.lam_init + (self.lam_max - self.lam_init) * frac
@@ -184,9 +210,12 @@ class KLController:
         return self.value
 
     def state_dict(self):
-        return {'value': self.value, 'updates': self.updates, 'history': list(self.history)}
+        return {'value': self.value, 'updates': self.updates, 'history': list(self.history),
+                'ratios': list(self.ratios)}
 
     def load_state_dict(self, sd):
         self.value, self.updates = float(sd['value']), int(sd['updates'])
         self.history.clear()
         self.history.extend(float(k) for k in sd['history'])
+        self.ratios.clear()
+        self.ratios.extend(float(r) for r in sd.get('ratios', ()))  # none in older checkpoints

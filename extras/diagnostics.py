@@ -45,7 +45,7 @@ class UpdateStats:
         """n_terms: the (clip, trained step) terms of this rank's update, over all optimizer steps."""
         self.n, self.clip_range = n_terms, clip_range
         self.sums = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0,
-                         skipped=0, drift=0.0, drift_n=0, drift_out=0, drift_max=0.0)
+                         skipped=0, drift=0.0, drift_n=0, drift_out=0, drift_max=0.0, kl_ratio_est=0.0)
 
     def drifted(self, d):
         """|logp_rollout - logp_recomputed| (n,) of some terms at theta_old."""
@@ -68,6 +68,10 @@ class UpdateStats:
         s['clipfrac'] += (ratio_dev > self.clip_range).float().sum().item() / self.n
         s['ratio_max'] = max(s['ratio_max'], ratio_dev.max().item())
 
+    def ratio(self, r, n_steps):
+        """One optimizer step's KL/policy gradient ratio at the transition means (already all ranks')."""
+        self.sums['kl_ratio_est'] += r / n_steps if math.isfinite(r) else 0.0  # nan: no valid clip
+
     def stepped(self, grad_norm, n_steps):
         """One optimizer step's gradient norm (a float, clip_grad_norm_'s), of n_steps this iteration;
         a non-finite one counts as skipped (train.py takes no step)."""
@@ -85,7 +89,7 @@ class UpdateStats:
         n = max(1.0, drift[1].item())
         return dict(loss=mean('loss') / sp_size, kl_pos=mean('kl_pos'), kl_vel=mean('kl_vel'),
                     clipfrac=mean('clipfrac'), grad_norm=s['grad_norm'], ratio_max=top[0].item(),
-                    skipped_steps=s['skipped'], logp_drift_mean=drift[0].item() / n, logp_drift_max=top[1].item(),
+                    skipped_steps=s['skipped'], kl_ratio_est=s['kl_ratio_est'], logp_drift_mean=drift[0].item() / n, logp_drift_max=top[1].item(),
                     logp_drift_frac=drift[2].item() / n)
 
 

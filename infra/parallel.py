@@ -295,6 +295,14 @@ def gather(t, group=None):
     return torch.cat(parts)
 
 
+def total(t):
+    """A float tensor summed over all ranks (every rank gets the same tensor)."""
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
 def mean(x, device):
     """The mean of a float over all ranks (every rank gets the same number)."""
     if not dist.is_initialized():

@@ -1,0 +1,203 @@
+"""
+The dual trust region where it acts (docs/method.md section 5): Fig. 8's four KL strategies (dual, moving,
+step-wise, none) at the paper's lambda_KL and at two held strengths, decided by paired seeds on the toy.
+
+    python -m bench.trust_region                        # every cell (~40 new runs of ~7 min on one core)
+    python -m bench.trust_region --workers=2 --worker=1 # with --worker=0 beside it: 2 processes on 2 cores
+    python -m bench.trust_region --run=False            # only the report, from the cells cached
+
+The cells are bench.paper's (8 prompts x G=4, 60 iterations, an evaluation every 5; the same names and
+cache, so its dual, moving and none cells at the paper's lambda are reused): `train.py config/toy.py`
+with kl_strategy in (dual, moving, stepwise, none) and lambda_KL either the paper's schedule (1e-7 warming
+to 1e-5, the controller on) or held at a strength (kl_init = kl_min = kl_max, no warm-up). 'none' has no KL
+term, so one 'none' cell serves every strength.
+
+Why 0.1 and 1: at the paper's lambda the KL term's gradient is ~1e-6 of the policy term's and every strategy
+gives the same run (results/paper.md, section 3). bench/toy.py section 3 (d) found the first strengths where
+the term is measurable: at kl_max 0.1 and 1 (reached only ~15% of the way by the 100-step warm-up in its 15
+iterations) the ratio was ~1e-2 and ~4e-2. Held at 0.1 and 1 the region acts from the first step, and the
+two strengths bracket the ratio a user would aim for (the report gives each cell's measured ratio).
+
+Writes results/trust_region.md and .json; the verdicts: each strategy against 'none' and dual against
+moving and step-wise at each strength (bench.verdicts' paired protocol: positive = the first is better),
+and the alarm of every run.
+"""
+import json
+import os
+import sys
+
+from bench import common as C
+from bench.common import table
+from infra.configurator import configure
+
+_argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts and bench.paper read the command line when imported
+from bench import paper as P  # noqa: E402  its cells, names, cache and statistics
+from bench import verdicts as V  # noqa: E402
+sys.argv = _argv
+
+# ----------------------------------------------------------------------------- settings
+out = 'results'          # cells/ (committed, bench.paper's), trust_region.md/.json
+seeds = 5                # seeds 0..seeds-1 of every cell
+strengths = '0.1,1.0'    # lambda_KL held at each (besides the paper's schedule)
+worker = 0               # this process runs runs worker, worker + workers, ... of the ordered list
+workers = 1              # 2 cores -> 2 processes, each 1 thread
+run = True               # False: only the report
+threads = 1              # torch threads of every train.py
+budget_min = 0.0         # start no new training run after this many minutes (0: no limit)
+config = configure(globals(), sys.argv[1:])
+# -----------------------------------------------------------------------------
+STRATEGIES = ('dual', 'moving', 'stepwise', 'none')
+LAMS = [float(x) for x in strengths.split(',') if x.strip()]
+PAPER = 'paper'  # the strength label of the paper's schedule
+C.setup(out, threads, budget_min)
+
+
+def held(lam):
+    return dict(kl_init=lam, kl_min=lam, kl_max=lam, kl_warmup=0)
+
+
+def cells():
+    """{(strategy, strength): train.py overrides}; strength PAPER or a float; 'none' once, as (none, PAPER)."""
+    c = {}
+    for st in STRATEGIES:
+        c[(st, PAPER)] = dict(V.REF, kl_strategy=st)  # dual: bench.verdicts' reference cell itself
+        for lam in LAMS if st != 'none' else ():
+            c[(st, lam)] = dict(V.REF, kl_strategy=st, **held(lam))
+    return c
+
+
+def label(key):
+    st, lam = key
+    return st if st == 'none' else f'{st} @ {"paper" if lam == PAPER else f"{lam:g}"}'
+
+
+def todo(cs):
+    """[(key, seed)]: the first strength's cells (with 'none') seed-major, then the next strength's, then the
+    paper's lambda: a budget cut leaves the most informative strength complete first."""
+    order = []
+    for lam in LAMS + [PAPER]:
+        keys = [k for k in cs if k[1] == lam and k[0] != 'none']
+        if lam == LAMS[0]:
+            keys = [('none', PAPER)] + keys
+        order += [(k, s) for s in range(seeds) for k in keys]
+    return order
+
+
+def train_all(cs):
+    common = dict(max_iters=P.iters, prompts_per_iter=P.prompts, eval_every=P.eval_every, save_every=0, eval_videos=0)
+    for key, s in todo(cs)[worker::workers]:  # a cached run is skipped
+        if C.over_budget():
+            print(f'over the time budget of {budget_min} min: no new runs', flush=True)
+            break
+        C.train(P.name(cs[key], s), dict(common, **cs[key], seed=s))
+
+
+# ----------------------------------------------------------------------------- the report
+METRICS = ('composite', 'VQ', 'MQ', 'TA', 'manifold')  # held-out, the mean of a run's late evaluations
+SIGN = dict(composite=1, VQ=1, MQ=1, TA=1, manifold=-1)  # +1: higher is better
+
+
+def late(run, m):
+    return V.late(run, m)
+
+
+def compare(runs, a, b, m):
+    """a's paired advantage over b on m (positive = a is better) over the seeds both have."""
+    ss = [s for s in range(seeds) if runs[a][s] and runs[b][s]]
+    return V.paired([SIGN[m] * late(runs[a][s], m) for s in ss], [SIGN[m] * late(runs[b][s], m) for s in ss])
+
+
+def ratio_of(run):
+    """The mean KL/policy gradient ratio of a run: bench.toy's 4-pass one (diag_every, one clip's parameter
+    gradients) and the cheap one at the transition means logged every iteration (kl_ratio_est), where logged."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    return (mean([i['kl_grad_ratio'] for i in run['iters'] if 'kl_grad_ratio' in i]),
+            mean([i['kl_ratio_est'] for i in run['iters'] if 'kl_ratio_est' in i]))
+
+
+def alarm(nm, run):
+    return P.alarm_of(nm, run)
+
+
+def report(cs):
+    runs = {k: [C.cached(P.name(ov, s)) for s in range(seeds)] for k, ov in cs.items()}
+    strengths = [PAPER] + LAMS
+    fmt = lambda x, p=3: '-' if x is None else (f'{x:.1e}' if p == 'e' else f'{x:.{p}f}')
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    base = [r['evals'][0] for rs in runs.values() for r in rs if r]  # iteration 0: the base model
+    base_vals = {m: mean([e[m] for e in base]) for m in METRICS}
+    res = dict(config=config, base=base_vals, cells={}, verdicts={}, fig8={}, recipe={})
+    md = ['# The dual trust region where it acts (`python -m bench.trust_region`)', '',
+          f'`train.py config/toy.py`, {P.prompts} prompts x G=4 an iteration, {P.iters} iterations, seeds 0..{seeds - 1} '
+          f'(bench.paper\'s cells: runs that share a seed share prompts and noises); held-out ODE evaluation every '
+          f'{P.eval_every} iterations, a run\'s value the mean of its evaluations at iterations {P.iters - P.late_iters}..{P.iters}. '
+          'lambda_KL: the paper\'s schedule (1e-7 warming to 1e-5, its controller) or held at a strength. '
+          f'The base model (iteration 0): composite {base_vals["composite"]:.3f}, VQ {base_vals["VQ"]:.3f}, '
+          f'manifold distance {base_vals["manifold"]:.4f}.', '']
+    rows = []
+    for k, rs in runs.items():
+        ok = [r for r in rs if r]
+        vals = {m: mean([late(r, m) for r in ok]) for m in METRICS}
+        diag, est = (mean([x for x in xs if x is not None]) for xs in zip(*[ratio_of(r) for r in ok])) if ok else (None, None)
+        al = [alarm(P.name(cs[k], s), r) if r else None for s, r in enumerate(rs)]
+        tripped = [a for a in al if isinstance(a, dict)]
+        recorded = [a for a in al if a is not None and a != 'not recorded']
+        res['cells'][label(k)] = dict(overrides=cs[k], n=len(ok), kl_grad_ratio=diag, kl_ratio_est=est,
+                                      alarm=al, **vals)
+        rows.append([label(k), len(ok) or 'not run'] + [fmt(vals[m], 4 if m == 'manifold' else 3) for m in METRICS] +
+                    [fmt(diag, 'e'), f'{len(tripped)}/{len(recorded)}' if recorded else '-',
+                     '; '.join(f's{s}: {P.alarm_text(a)}' for s, a in enumerate(al) if isinstance(a, dict)) or '-'])
+    md += ['**Every cell** (mean over its seeds; KL/policy: the 4-pass gradient ratio of one clip, every 3rd iteration; '
+           'alarm: runs whose reward-hacking alarm tripped / runs with it recorded):', '',
+           table(['cell', 'seeds', 'composite', 'VQ', 'MQ', 'TA', 'manifold', 'KL/policy', 'alarm', 'where it tripped'], rows), '']
+    for lam in strengths:
+        keys = [(st, lam) for st in STRATEGIES if st != 'none'] + [('none', PAPER)]
+        pairs = [(k, ('none', PAPER)) for k in keys[:-1]] + [(keys[0], keys[1]), (keys[0], keys[2])]
+        rows, found = [], {}
+        for a, b in pairs:
+            cis = {m: compare(runs, a, b, m) for m in METRICS}
+            found[(a, b)] = cis
+            rows.append([label(a), label(b), cis['composite']['n']] + [P.shown(cis[m], m) for m in METRICS])
+        res['verdicts'][str(lam)] = {f'{label(a)} vs {label(b)}': {m: dict(ci, verdict=V.verdict(ci)) for m, ci in v.items()}
+                                     for (a, b), v in found.items()}
+        fig8 = [found[(keys[0], keys[1])]['composite'], found[(keys[0], ('none', PAPER))]['composite']]
+        w = [V.verdict(ci) for ci in fig8]
+        decided = 'holds' if all(x == 'holds' for x in w) else 'fails' if 'fails' in w else \
+            'not run' if 'not run' in w or 'too few seeds yet' in w else 'cannot be told'
+        res['fig8'][str(lam)] = decided
+        name = 'the paper\'s schedule' if lam == PAPER else f'lambda_KL held at {lam:g}'
+        md += [f'## {name}', '', 'Each row: the first cell\'s paired advantage over the second (positive = the first is better: '
+               'higher composite, VQ, MQ, TA; lower manifold distance), mean and 95% t interval over the seeds.', '',
+               table(['cell', 'vs', 'seeds'] + [f'Δ {m} [95%]' for m in METRICS], rows), '',
+               f'**Fig. 8\'s claim** (dual beats moving and no KL, held-out composite) at {name}: **{decided}** '
+               f'(vs moving: {V.fmt(fig8[0])}, vs none: {V.fmt(fig8[1])}).', '']
+    # the recipe: a strength that beats the paper's lambda with VQ and the manifold at least the base's
+    md += ['## Against the paper\'s lambda (the recipe)', '',
+           'Each strength\'s dual cell against dual at the paper\'s schedule (positive = the strength is better); '
+           'and whether it ends with VQ and manifold distance at least as good as the base model\'s.', '']
+    rows = []
+    for lam in LAMS:
+        a, b = ('dual', lam), ('dual', PAPER)
+        cis = {m: compare(runs, a, b, m) for m in METRICS}
+        cell = res['cells'][label(a)]
+        keeps = cell['n'] and cell['VQ'] >= base_vals['VQ'] and cell['manifold'] <= base_vals['manifold']
+        res['recipe'][str(lam)] = dict(vs_paper={m: dict(ci, verdict=V.verdict(ci)) for m, ci in cis.items()},
+                                       keeps_base_quality=bool(keeps))
+        rows.append([label(a), cis['composite']['n']] + [P.shown(cis[m], m) for m in METRICS] +
+                    ['yes' if keeps else 'no' if cell['n'] else '-'])
+    md += [table(['cell', 'seeds'] + [f'Δ {m} vs dual @ paper' for m in METRICS] + ['VQ, manifold >= base'], rows), '']
+    return res, md
+
+
+if __name__ == '__main__':
+    cs = cells()
+    n_new = sum(C.cached(P.name(ov, s)) is None for ov in cs.values() for s in range(seeds))
+    print(f'bench.trust_region: {len(cs)} cells x {seeds} seeds ({n_new} runs not cached); out={out}', flush=True)
+    if run:
+        train_all(cs)
+    res, md = report(cs)
+    missing = sum(r is None for ov in cs.values() for r in [C.cached(P.name(ov, s)) for s in range(seeds)])
+    if missing:
+        md[2:2] = [f'**Incomplete**: {missing} of {seeds * len(cs)} runs are not cached yet; rerun '
+                   '`python -m bench.trust_region` to go on.', '']
+    C.write_report(os.path.join(out, 'trust_region'), res, md)
