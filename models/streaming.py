@@ -1,14 +1,20 @@
 """
 Block-causal generation from a rolling KV cache, for any diffusers WanTransformer3DModel: the
 self-forcing line of streaming video models (Self-Forcing, CausVid, LongLive, MemFlow, Reward Forcing)
-run on diffusers' own modules. Used by models/wan_causal.py (Wan 2.1 1.3B, the released layout) and
-models/toy_ar.py (the toy world, scaled down). docs/streaming.md explains it; in four lines:
+run on diffusers' own modules. Used by models/wan_causal.py (Wan 2.1 1.3B, each released model's layout,
+LAYOUTS) and models/toy_ar.py (the toy world, scaled down). docs/streaming.md explains it; in four lines:
 
     the clip is cut into blocks of `block` latent frames, generated one after another;
     a block's self-attention sees the `sink` first frames, the frames of the last `window - sink`
-      (its own block included) and nothing later: cached keys/values, RoPE at absolute frame positions;
+      (its own block included) and nothing later (window None: every earlier frame): cached keys/values,
+      RoPE at absolute frame positions;
     a block is denoised in few steps (x0 = x_t - sigma v, then re-noised to the next sigma), and its
       clean x0 is written to the cache by one more forward at timestep 0; the text keys are cached once.
+
+LAYOUTS holds the released models' layouts as their inference code samples them: LongLive (window 12, sink
+3, 4 steps warped at shift 5), Self-Forcing (global causal attention, no sink, the same steps), CausVid
+(global, steps 1000/757/522 unwarped: the model called at t, sigma the shift-8 grid's nearest point).
+MemFlow's memory bank is not built (models/wan_causal.py refuses it).
 
 Only the attention processors are new (StreamSelf, StreamCross): patch embedding, timestep and text
 embedding, norms, feed-forward and output are diffusers' WanTransformer3DModel.forward itself, called once
@@ -16,30 +22,53 @@ per block and step (so FSDP2 and LoRA wrap it as they wrap the bidirectional Wan
 whole sequence of frames at once under a frame-level mask instead of the cache (teacher-forced training:
 clean frames then noisy ones, models/toy_ar.py).
 
-Tested by: python -m pytest tests/test_wan_causal.py (generation from the cache equals one masked full
-forward of diffusers' stock model per block and step, inside the window and past it)
+Tested by: python -m pytest tests/test_wan_causal.py tests/test_layouts.py (generation from the cache
+equals one masked full forward of diffusers' stock model per block and step, inside the window and past
+it, for each layout)
 """
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-# the released layout (LongLive, MemFlow, Self-Forcing on Wan 2.1 1.3B; docs/streaming.md section 1)
-LAYOUT = dict(block=3,      # latent frames generated together
-              sink=3,       # first frames of the video, always attended (the attention sink)
-              window=12,    # frames a block attends to: the sink, recent frames, its own block
-              timesteps=(1000, 750, 500, 250),  # the few-step sampler's steps, before the shift
-              shift=5.0,    # timestep shift: sigma = shift s / (1 + (shift - 1) s), s = t / 1000
-              renoise='fresh')  # between steps: fresh noise ('ode': the step's own, a deterministic Euler step)
+# The layouts of the released models on Wan 2.1 1.3B, as their own inference code samples them (docs/streaming.md
+# section 1). window None: global causal attention (every earlier frame); max_frames: the latent frames its cache
+# holds (None: any, the window rolls); warp: a step's sigma is t/1000 warped at the shift, the model called at
+# 1000 sigma (False: the model is called at t itself, sigma the shift grid's point nearest t, CausVid's lookup).
+LAYOUTS = {
+    'longlive': dict(name='longlive', block=3, sink=3, window=12, max_frames=None,
+                     timesteps=(1000, 750, 500, 250), shift=5.0, warp=True, renoise='fresh'),
+    'self_forcing': dict(name='self_forcing', block=3, sink=0, window=None, max_frames=21,
+                         timesteps=(1000, 750, 500, 250), shift=5.0, warp=True, renoise='fresh'),
+    'causvid': dict(name='causvid', block=3, sink=0, window=None, max_frames=21,
+                    timesteps=(1000, 757, 522), shift=8.0, warp=False, renoise='fresh'),
+}
+LAYOUT = LAYOUTS['longlive']  # the default: block, sink, window, timesteps, shift, renoise ('ode': an Euler step)
+GRID = 1000  # points of the released schedulers' shifted grid (linspace(1, 0, 1001)[:-1], shifted)
+
+
+def _shift(layout, s):
+    a = layout['shift']
+    return a * s / (1 + (a - 1) * s)
 
 
 def sigmas(layout):
-    """The sampler's sigmas (warped timesteps / 1000): (1000, 750, 500, 250) at shift 5 -> 1, 0.9375, 0.8333, 0.625."""
-    a = layout['shift']
-    return [a * (t / 1000) / (1 + (a - 1) * (t / 1000)) for t in layout['timesteps']]  # floats: no tensor op
+    """The sampler's sigmas: warped, t / 1000 at the shift ((1000, 750, 500, 250) at shift 5 -> 1, 0.9375,
+    0.8333, 0.625); not warped, the point of the shifted grid nearest t / 1000 (CausVid: 1, 0.7570, 0.5220)."""
+    if layout.get('warp', True):
+        return [_shift(layout, t / 1000) for t in layout['timesteps']]  # floats: no tensor op
+    grid = [_shift(layout, 1 - i / GRID) for i in range(GRID)]
+    return [min(grid, key=lambda g: abs(1000 * g - t)) for t in layout['timesteps']]
+
+
+def model_times(layout):
+    """The timesteps / 1000 the model is called at, step by step: its sigma (warped), or t / 1000 (not warped)."""
+    return sigmas(layout) if layout.get('warp', True) else [t / 1000 for t in layout['timesteps']]
 
 
 def visible_frames(cached, start, end, layout):
     """Absolute frames (sorted) of `cached` that a block of frames [start, end) attends to besides itself:
-    the sink and the last window - sink frames up to the block's end."""
+    the sink and the last window - sink frames up to the block's end (window None: every earlier frame)."""
+    if layout['window'] is None:
+        return [f for f in cached if f < start]
     lo = end - (layout['window'] - layout['sink'])
     return [f for f in cached if f < start and (f < layout['sink'] or f >= lo)]
 
@@ -48,12 +77,13 @@ class KVCache:
     """Per layer the self-attention keys and values of the finished frames, (B, n, T, H, D) with their
     absolute frame positions, and the text's cross-attention keys and values (computed once). Tensors
     are replaced, never written in place, so save() is a list of references and costs nothing.
-    keep: frames held (None: the fewest the window needs, sink + window - sink - block); a router
+    keep: frames held (None: the fewest the window needs, sink + window - sink - block; every frame for
+    global attention); a router
     (KVPO) keeps more and sets `route(cache, start, end) -> frames` to choose what a block attends to."""
 
     def __init__(self, layout, keep=None):
         self.layout, self.route = layout, None
-        self.keep = keep or layout['window'] - layout['block']
+        self.keep = keep or (layout['window'] and layout['window'] - layout['block'])  # None: keep all
         self.k, self.v, self.pos, self.text = {}, {}, {}, {}  # by layer
 
     @property
@@ -84,6 +114,9 @@ class KVCache:
         if layer in self.k:
             k, v = torch.cat([self.k[layer], k], 1), torch.cat([self.v[layer], v], 1)
         pos = self.pos.get(layer, []) + list(frames)
+        if self.keep is None:  # global attention: nothing is dropped
+            self.k[layer], self.v[layer], self.pos[layer] = k, v, pos
+            return
         sink = sum(p < self.layout['sink'] for p in pos)
         idx = list(range(sink)) + list(range(max(sink, len(pos) - (self.keep - sink)), len(pos)))
         if len(idx) < len(pos):
@@ -207,7 +240,7 @@ def _call(net, x, t, context):
 
 
 def forward_block(net, x, s, context, cache, start, write=False):
-    """The velocity (B, C, f, h, w) of the block x of frames [start, start + f) at sigmas s (B,), from the
+    """The velocity (B, C, f, h, w) of the block x of frames [start, start + f) at timesteps 1000 s (B,), from the
     cache; write: also append its keys and values (the timestep-0 pass of a finished block)."""
     ctx, (_, ph, pw) = net.stream_ctx, net.config.patch_size
     ctx.cache, ctx.frames, ctx.write, ctx.mask = cache, list(range(start, start + x.shape[2])), write, None
@@ -232,6 +265,18 @@ def forward_masked(net, x, s, context, positions, mask):
         ctx.rope, ctx.mask = None, None
 
 
+def frame_mask(n, layout):
+    """The frame mask (n, n) bool (query, key) of one clip: frame i sees frame j iff j's block is not after
+    i's and j is a sink frame or among the window - sink frames up to i's block's end (window None: any)."""
+    pos = torch.arange(n)
+    blk = pos // layout['block']
+    if layout['window'] is None:
+        return blk[None] <= blk[:, None]
+    end = (blk + 1) * layout['block']
+    inside = (pos[None] < layout['sink']) | (pos[None] >= end[:, None] - (layout['window'] - layout['sink']))
+    return (blk[None] <= blk[:, None]) & inside
+
+
 def teacher_mask(n, layout):
     """The frame mask of [n clean frames, the same n frames noisy] (2n, 2n): every frame sees the clean
     frames of earlier blocks inside its window and its own block's frames of its own kind: what the
@@ -240,7 +285,8 @@ def teacher_mask(n, layout):
     kind = torch.arange(2 * n) // n  # 0 clean, 1 noisy
     blk = pos // layout['block']
     end = (blk + 1) * layout['block']
-    inside = (pos[None] < layout['sink']) | (pos[None] >= end[:, None] - (layout['window'] - layout['sink']))
+    inside = torch.ones(2 * n, 2 * n, dtype=torch.bool) if layout['window'] is None else \
+        (pos[None] < layout['sink']) | (pos[None] >= end[:, None] - (layout['window'] - layout['sink']))
     earlier = (kind[None] == 0) & (blk[None] < blk[:, None]) & inside
     return earlier | ((kind[None] == kind[:, None]) & (blk[None] == blk[:, None]))
 
@@ -252,9 +298,12 @@ def generate(net, noise, context, gens=None, cache=None, on_block=None, cfg=1.0,
     (None: a fresh one; else noise's frames follow its newest frame); on_block(start, x0, cache): called
     after each finished block (KVPO's fork). cfg != 1: classifier-free guidance against context_neg, both
     branches in one batch, each with its own cache rows (the distilled models use none)."""
-    layout, sig = net.layout, sigmas(net.layout)
+    layout, sig, times = net.layout, sigmas(net.layout), model_times(net.layout)
     cache = KVCache(layout) if cache is None else cache
     B, F = noise.shape[0], noise.shape[2]
+    if layout.get('max_frames') and cache.end + F > layout['max_frames']:  # its released cache has no room
+        raise SystemExit(f"{layout.get('name', 'this layout')}: its released sampler holds {layout['max_frames']} "
+                         f"latent frames with global attention, asked for {cache.end + F}: not how its code samples")
     guided = cfg != 1.0
     if guided:  # (2B, ...) rows: conditional, then unconditional
         context = torch.cat([context, context_neg])
@@ -262,11 +311,11 @@ def generate(net, noise, context, gens=None, cache=None, on_block=None, cfg=1.0,
     for i in range(0, F, layout['block']):
         start, x = first + i, noise[:, :, i:i + layout['block']]  # (B, C, f, h, w)
         for k, s in enumerate(sig):
-            v = forward_block(net, torch.cat([x, x]) if guided else x, torch.full((len(context),), s, device=x.device),
-                              context, cache, start).float()
+            t = torch.full((len(context),), times[k], device=x.device)  # the model's timestep / 1000 (warped: s)
+            v = forward_block(net, torch.cat([x, x]) if guided else x, t, context, cache, start).float()
             if guided:
                 v = v[B:] + cfg * (v[:B] - v[B:])
-            x0 = x.float() - s * v  # the step's prediction of the clean block
+            x0 = x.float() - s * v  # the step's prediction of the clean block, at the step's sigma
             if k + 1 < len(sig):  # re-noise to the next step's sigma: fresh noise (the released sampler), or
                 if layout.get('renoise', 'fresh') == 'ode':  # the step's own noise x0 + v: an Euler step of the ODE
                     z = x0 + v

@@ -1,31 +1,37 @@
 """
-Streaming Wan: Wan 2.1 T2V 1.3B made block-causal (LongLive, Self-Forcing, MemFlow, CausVid, Reward
-Forcing), generating a clip block by block from a rolling KV cache (models/streaming.py), behind the model
-interface (models/__init__.py). A causal model directory names a diffusers Wan 2.1 directory (config, text
-encoder, VAE) and a generator checkpoint in the original Wan key names (optionally a LoRA):
+Streaming Wan: Wan 2.1 T2V 1.3B made block-causal (LongLive, Self-Forcing, CausVid), generating a clip
+block by block from a rolling KV cache (models/streaming.py), behind the model interface (models/__init__.py).
+A causal model directory names a diffusers Wan 2.1 directory (config, text encoder, VAE) and a generator
+checkpoint in the original Wan key names (optionally a LoRA):
 
     hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir weights/Wan2.1-T2V-1.3B
     hf download Efficient-Large-Model/LongLive-1.3B --local-dir weights/LongLive-ckpt
-    python -m models.wan_causal weights/LongLive --wan=weights/Wan2.1-T2V-1.3B \
+    python -m models.wan_causal weights/LongLive --wan=weights/Wan2.1-T2V-1.3B --layout=longlive \
         --generator=weights/LongLive-ckpt/models/longlive_base.pt --lora=weights/LongLive-ckpt/models/lora.pt
     python sample.py --model=weights/LongLive --device=cuda --prompts=prompts/eval.txt
 
 The command checks the checkpoint (every key converted, present and of the config's shape) and writes
-WEIGHTS/model_index.json ('WanCausalPipeline', the paths, the layout) and transformer/config.json; nothing
-is copied. Self-Forcing's self_forcing_dmd.pt holds 'generator' and 'generator_ema' (--key picks);
-MemFlow's and LongLive's 'generator'. Keys: the wrapper's 'model.' prefix (and FSDP's or compile's) is
+WEIGHTS/model_index.json ('WanCausalPipeline', the paths, the model's layout) and transformer/config.json;
+nothing is copied. The layout (streaming.LAYOUTS) is how the model's own inference code samples it, read back
+by load_transformer, so sample.py, the evaluation and kvpo sample it so: --layout=longlive (window 12, sink 3,
+4 steps warped at shift 5), self_forcing (global causal attention, no sink, the same 4 steps; 21 latent
+frames), causvid (global, steps 1000/757/522 unwarped on a shift-8 grid; 21 latent frames). Without
+--layout the model is recognised from its files' names (exactly one of longlive, self_forcing / self-forcing,
+causvid, memflow in the generator's or the LoRA's path), else the flag is required: the weights of these
+models have the same keys. memflow is refused in one line: its memory bank is not built here.
+Self-Forcing's self_forcing_dmd.pt holds 'generator' and 'generator_ema' (--key picks); LongLive's 'generator'. Keys: the wrapper's 'model.' prefix (and FSDP's or compile's) is
 stripped, then diffusers' own single-file conversion (convert_wan_transformer_to_diffusers) renames them;
 a missing, unexpected or mismatched key is one SystemExit naming it, before any weight is used. A LoRA
 (LongLive's {'generator_lora': peft state dict}, on every Linear of the attention blocks) is merged into
 the weights: W + alpha / r B A (alpha = r unless the index says lora_alpha).
 
 Where it differs from the released code: RoPE positions are absolute frame indices for the whole video
-(the cache keeps rotated keys), as Self-Forcing's; the layout is LAYOUT (blocks of 3 latent frames, sink 3,
-window 12 with the sink and the block, steps 1000/750/500/250 at shift 5, cache written at timestep 0).
+(the cache keeps rotated keys), as Self-Forcing's; the cache is written at timestep 0 (context noise 0, as
+all three release).
 forward() (the interface's velocity of a whole clip at one sigma) is the block-causal masked forward, for
 completeness; the model samples with generate(), which sample.py and the held-out evaluation call.
 No classifier-free guidance (the distilled models use none) and no sequence parallel.
-Tested by: python -m pytest tests/test_wan_causal.py
+Tested by: python -m pytest tests/test_wan_causal.py tests/test_layouts.py
 """
 import json
 import os
@@ -44,7 +50,12 @@ HUB_ID = 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'  # plus a causal generator checkpoin
 DEFAULTS = dict(sample_steps=len(streaming.LAYOUT['timesteps']), shift=streaming.LAYOUT['shift'], cfg=1.0, fps=16,
                 negative_prompt='', num_frames=81, height=480, width=832, sample_prompts=4, sample_seeds=1)
 LORA_TARGETS = wan.LORA_TARGETS
-LAYOUT = streaming.LAYOUT
+LAYOUT = streaming.LAYOUT  # the default of make() (the CLI asks for --layout unless the files name the model)
+LAYOUTS = streaming.LAYOUTS
+NAMES = dict(longlive=('longlive',), self_forcing=('self_forcing', 'self-forcing', 'selfforcing'),
+             causvid=('causvid',), memflow=('memflow',))  # what a file's path may say
+MEMFLOW = ("MemFlow is not supported: its memory bank (bank 3 frames, recorded every 3 blocks, keys [sink, bank, "
+           "local]) is not built here, and sampled with another layout it would make other videos than its authors'")
 PREFIXES = ('model.', '_fsdp_wrapped_module.', '_orig_mod.', 'module.')  # wrappers' prefixes, stripped
 GENERATOR_KEYS = ('generator', 'generator_ema', 'model', 'state_dict')  # where a training checkpoint keeps it
 
@@ -180,7 +191,7 @@ def context(text):
 def forward(net, x, s, text):
     """The velocity of a whole clip x (B, C, F, h, w) at sigmas s (B,), every block seeing its window."""
     n = x.shape[2]
-    mask = streaming.teacher_mask(n, net.layout)[n:, n:]  # the noisy half: block-causal, windowed
+    mask = streaming.frame_mask(n, net.layout)  # block-causal, windowed (teacher_mask's noisy half sees no earlier block)
     return streaming.forward_masked(net, x, s[:, None].expand(-1, n), context(text), range(n), mask)
 
 
@@ -198,9 +209,12 @@ def load_decoder(path, device):
 
 def latent_shape(path, num_frames, height, width):
     index = _index(path)
-    shape, block = wan.latent_shape(index['wan'], num_frames, height, width), index.get('layout', LAYOUT)['block']
-    if shape[1] % block:
-        raise SystemExit(f'{num_frames} frames are {shape[1]} latent frames: not whole blocks of {block}')
+    shape, layout = wan.latent_shape(index['wan'], num_frames, height, width), index.get('layout', LAYOUT)
+    if shape[1] % layout['block']:
+        raise SystemExit(f'{num_frames} frames are {shape[1]} latent frames: not whole blocks of {layout["block"]}')
+    if layout.get('max_frames') and shape[1] > layout['max_frames']:  # global attention over a fixed cache
+        raise SystemExit(f'{num_frames} frames are {shape[1]} latent frames: {layout["name"]} samples at most '
+                         f'{layout["max_frames"]} (its released cache)')
     return shape
 
 
@@ -208,24 +222,45 @@ def cp_plan(net):
     raise SystemExit('sequence parallel does not split a streaming model (its blocks are 3 frames): sp_size=1')
 
 
-def make(out, wan_dir, generator, lora=None, key=None, lora_alpha=None):
-    """Check a causal checkpoint against wan_dir's config, then write the causal model directory `out`."""
+def recognise(*files):
+    """The model a checkpoint is, from its files' paths (the weights of all have Wan's keys): the one name of
+    NAMES they say, else None."""
+    said = {name for name, words in NAMES.items() for f in files if f for w in words if w in f.lower()}
+    return said.pop() if len(said) == 1 else None
+
+
+def layout_of(name, generator, lora=None):
+    """The layout dict of `name` (None: recognised from the files); one SystemExit for MemFlow or none."""
+    name = name or recognise(generator, lora)
+    if name == 'memflow':
+        raise SystemExit(MEMFLOW)
+    if name not in LAYOUTS:
+        raise SystemExit(f'{generator}: which model is it? pass --layout={"|".join(LAYOUTS)} (its keys are Wan\'s '
+                         f'whichever model trained it, and each samples with its own layout)' if name is None else
+                         f'--layout={name}: not one of {", ".join(LAYOUTS)} (memflow: not supported)')
+    return LAYOUTS[name]
+
+
+def make(out, wan_dir, generator, lora=None, key=None, lora_alpha=None, layout='longlive'):
+    """Check a causal checkpoint against wan_dir's config, then write the causal model directory `out` with
+    the layout of model `layout` (a LAYOUTS name; None: recognised from the files' names)."""
+    layout = layout_of(layout, generator, lora)
     config = WanTransformer3DModel.load_config(wan_dir, subfolder='transformer')
     sd = to_diffusers(read_state(generator, key))
     if lora:
         sd = merge_lora(sd, lora, lora_alpha)
-    check(sd, build(config, LAYOUT), generator)
+    check(sd, build(config, layout), generator)
     os.makedirs(os.path.join(out, 'transformer'), exist_ok=True)
     rel = lambda p: p and os.path.relpath(os.path.abspath(p), os.path.abspath(out))
     with open(os.path.join(out, 'model_index.json'), 'w') as f:
         json.dump(dict(_class_name=PIPELINE, wan=rel(wan_dir), generator=rel(generator), generator_key=key,
-                       lora=rel(lora), lora_alpha=lora_alpha, layout=LAYOUT), f, indent=1)
+                       lora=rel(lora), lora_alpha=lora_alpha, layout=layout), f, indent=1)
     with open(os.path.join(out, 'transformer', 'config.json'), 'w') as f:  # sizes for policy.transformer_config
         json.dump({**config, '_class_name': TRANSFORMER}, f, indent=1)
     return out
 
 
-if __name__ == '__main__':
+def main(argv):
     import argparse
     ap = argparse.ArgumentParser(description='write a causal Wan model directory (module docstring)')
     ap.add_argument('out')
@@ -234,5 +269,11 @@ if __name__ == '__main__':
     ap.add_argument('--lora')
     ap.add_argument('--key', help="the checkpoint's generator entry: generator (default) or generator_ema")
     ap.add_argument('--lora_alpha', type=float)
-    a = ap.parse_args(sys.argv[1:])
-    print('wrote', make(a.out, a.wan, a.generator, a.lora, a.key, a.lora_alpha))
+    ap.add_argument('--layout', help=f'the model: {"|".join(NAMES)} (default: the one its files\' names say)')
+    a = ap.parse_args(argv)
+    out = make(a.out, a.wan, a.generator, a.lora, a.key, a.lora_alpha, a.layout)
+    print('wrote', out, 'with the layout of', json.load(open(os.path.join(out, 'model_index.json')))['layout']['name'])
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
