@@ -16,14 +16,16 @@ gradient. As released the branch logits are log-softmaxed before the anchor slot
 so an unsafe prompt has pi_anchor = 1/2 exactly and mechanism_2 halves its loss (no gradient flows
 through the scale); mechanism_1 zeroes it. Where this differs from the released code: noise is drawn
 per (seed, frame, step) (explicit, and the same in every branch whatever its start); frames are routed
-by their absolute index from a cache that keeps them (models/streaming.py KVCache.route).
-Tested by: python -m pytest tests/test_kvpo.py
+by their absolute index from a cache that keeps them (models/streaming.py KVCache.route), the planned ones
+(router's release_reads: the release's reads, one block off once its cache has rolled: docs/kvpo.md 2).
+Tested by: python -m pytest tests/test_kvpo.py tests/test_kvpo_release.py
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
+from kvpo import segments
 from models import streaming
 
 
@@ -62,8 +64,6 @@ def plan(frames, layout, K, m, P, keep, seed, first, then, within):
     """The routing of one prompt: {'fork', 'older': K sorted frame lists}. The fork is uniform over the
     eligible blocks; branch k takes positions (k shift + i) mod |pool|, i < n_random, of one seeded
     permutation of the pool, shift = max(1, |pool| // K), so branches overlap little."""
-    if layout.get('window') is None:  # KVPO routes the frames a window dropped: a global cache drops none
-        raise SystemExit(f"kvpo routes a windowed cache (LongLive's); {layout.get('name')} attends globally: nothing to route")
     forks = eligible_forks(frames, layout, m, P, keep, first, then, within)
     assert forks, f'no eligible fork in {frames} frames for P={P}, m={m} (a fork needs >= window and a pool)'
     gen = torch.Generator().manual_seed(seed)
@@ -75,10 +75,16 @@ def plan(frames, layout, K, m, P, keep, seed, first, then, within):
                                   for k in range(K)])
 
 
-def router(fork, older, layout, m, P):
+def router(fork, older, layout, m, P, keep=None, release_reads=False):
     """KVCache.route of a branch: a block in [fork, fork + P block) sees the sink, `older`, and the cached
     ones of its m nearest frames (the m frames up to its end: its own block and m - block before it);
-    any other block its window as usual."""
+    any other block its window as usual. release_reads: read as the released code does once its cache of
+    `keep` frames has rolled at the fork (fork + block > keep): each planned frame f from the slot of
+    f + block (its visible range starts at the block's start while its end includes the block; a bug, kept
+    as a switch: docs/kvpo.md section 2)."""
+    if release_reads and fork + layout['block'] > keep:
+        older = [f + layout['block'] for f in older]  # what the release reads: fork 39 plans 21-25, reads 24-28
+
     def route(cache, start, end):
         if not fork <= start < fork + P * layout['block']:
             return streaming.visible_frames(cache.frames, start, end, layout)
@@ -95,46 +101,67 @@ def noise_at(seed, frames, step, shape):
         seed * 1_000_003 + f * 131 + step)) for f in frames], 1)[None]
 
 
-def denoise_block(net, context, cache, start, seed, shape, record=None):
-    """One block from its noise to its clean x0, written to the cache (timestep 0); record: a list that
-    gets the block's per-step (x_t, x0) pairs, each (1, C, f, h, w), for the replay."""
+def write_block(net, x0, text, cache, start, seed, context_noise=0.0):
+    """The finished block x0 (1, C, f, h, w) written to the cache: one forward at timestep 0 of
+    (1 - s) x0 + s eps, s = context_noise, eps the (seed, frame) draw of step S (after the S denoising
+    steps' draws: shared by every branch and every replay); released: add_noise(x0, eps, t=0), s ~0.005."""
+    if context_noise:
+        eps = noise_at(seed, range(start, start + x0.shape[2]), len(net.layout['timesteps']),
+                       (x0.shape[1],) + tuple(x0.shape[3:]))
+        x0 = (1 - context_noise) * x0 + context_noise * eps.to(x0.device)
+    streaming.forward_block(net, x0, torch.zeros(1, device=x0.device), text, cache, start, write=True)
+
+
+def denoise_block(net, context, cache, start, seed, shape, record=None, context_noise=0.0):
+    """One block from its noise to its clean x0, written to the cache (write_block); record: a list that
+    gets the block's per-step (x_t, x0) pairs, each (1, C, f, h, w), for the replay. context: the text, or
+    the prompt segments [(first frame, text), ...] (a new segment's text keys replace the cache's)."""
     sig, frames = streaming.sigmas(net.layout), list(range(start, start + net.layout['block']))
-    x = noise_at(seed, frames, 0, shape).to(context.device)
+    text, switch = segments.text_at(context, start)
+    if switch:  # a prompt switch, as LongLive's interactive mode: the new prompt's text keys from here on
+        segments.recache_text(net, cache, text)
+    x = noise_at(seed, frames, 0, shape).to(text.device)
     for k, s in enumerate(sig):
-        v = streaming.forward_block(net, x, torch.full((1,), s, device=x.device), context, cache, start).float()
+        v = streaming.forward_block(net, x, torch.full((1,), s, device=x.device), text, cache, start).float()
         x0 = x - s * v  # the step's prediction of the clean block
         if record is not None:
             record.append((x, x0))
         if k + 1 < len(sig):  # re-noised as the layout says: fresh noise (released) or the step's own, x0 + v
             z = x0 + v if net.layout.get('renoise', 'fresh') == 'ode' else noise_at(seed, frames, k + 1, shape)
             x = (1 - sig[k + 1]) * x0 + sig[k + 1] * z.to(x0.device)
-    streaming.forward_block(net, x0, torch.zeros(1, device=x0.device), context, cache, start, write=True)
+    write_block(net, x0, text, cache, start, seed, context_noise)
     return x0
 
 
 @torch.no_grad()
-def rollout(net, context, frames, shape, routing, seed, m, P, keep):
+def rollout(net, context, frames, shape, routing, seed, m, P, keep, span_end=None, context_noise=0.0,
+            release_reads=False):
     """One prompt's group: the prefix up to the fork once, its KV state saved, then K routed branches and
-    the unrouted anchor from that state with the same noise. shape: a frame's latent (C, h, w).
-    Returns latents (K + 1, C, F, h, w) (the anchor last), the trajectories {'x': (K, P, S, C, f, h, w),
-    'x0': same} of the routed blocks, and the state before the fork."""
+    the unrouted anchor from that state with the same noise. shape: a frame's latent (C, h, w); context:
+    the text or the prompt segments (denoise_block). span_end: the frame the recorded trajectory stops at
+    (None: the P routed blocks; released: the end of the fork's chunk). release_reads: router's.
+    Returns latents (K + 1, C, F, h, w) (the anchor last), the trajectories {'x': (K, n, S, C, f, h, w),
+    'x0': same, n the recorded blocks, and the seed and context noise the replay writes its cache with},
+    and the state before the fork."""
     layout, fork = net.layout, routing['fork']
+    span_end = fork + P * layout['block'] if span_end is None else span_end
     cache = streaming.KVCache(layout, keep=keep)
-    prefix = [denoise_block(net, context, cache, b, seed, shape) for b in range(0, fork, layout['block'])]
+    prefix = [denoise_block(net, context, cache, b, seed, shape, context_noise=context_noise)
+              for b in range(0, fork, layout['block'])]
     state, clips, traj = cache.save(), [], []
     for older in routing['older'] + [None]:  # the anchor: the plain model
         cache.restore(state)
-        cache.route = None if older is None else router(fork, older, layout, m, P)
+        cache.route = None if older is None else router(fork, older, layout, m, P, keep, release_reads)
         rec = []
-        tail = [denoise_block(net, context, cache, b, seed, shape, rec if b < fork + P * layout['block'] else None)
+        tail = [denoise_block(net, context, cache, b, seed, shape, rec if b < span_end else None, context_noise)
                 for b in range(fork, frames, layout['block'])]
         clips.append(torch.cat(prefix + tail, 2))
         if older is not None:
             traj.append(rec)
-    S = len(layout['timesteps'])
-    x, x0 = (torch.stack([torch.cat([r[i] for r in rec]) for rec in traj]).unflatten(1, (P, S))
-             for i in (0, 1))  # (K, P, S, C, f, h, w)
-    return torch.cat(clips), dict(x=x, x0=x0), state
+    S, n = len(layout['timesteps']), (span_end - fork) // layout['block']
+    x, x0 = (torch.stack([torch.cat([r[i] for r in rec]) for rec in traj]).unflatten(1, (n, S))
+             for i in (0, 1))  # (K, n, S, C, f, h, w)
+    return torch.cat(clips), dict(x=x, x0=x0, seed=seed, context_noise=context_noise), state
 
 
 # ----------------------------------------------------------------------------- TVE, the branch's score
@@ -153,10 +180,13 @@ def _forward(net, x, s, context, cache, start, checkpoint):
     return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
 
 
-def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1.0, checkpoint=False, route=None):
+def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1.0, checkpoint=False, route=None,
+        context_noise=0.0, seed=0):
     """s = sum_{b,k} -mean((x0[b,k] - x0_net(x[b,k], t_k))^2) / (2 max(sigma_k, floor)^2) of one branch's
-    trajectory x, x0 (P, S, C, f, h, w), replayed by `net` from the state before the fork, routing off;
-    between blocks the cache takes net's own last x0 (detached); steps >= grad_steps run without grad.
+    trajectory x, x0 (n, S, C, f, h, w), replayed by `net` from the state before the fork, routing off;
+    between blocks the cache takes net's own last x0 (detached), written as the rollout wrote (write_block:
+    context_noise, seed); a new prompt segment's text keys replace the cache's as in the rollout (context:
+    the text or the segments); steps >= grad_steps run without grad.
     form 'velocity': -mean((v_branch - v_net)^2) / 2, v_branch = (x - x0) / sigma. checkpoint: activations
     recomputed in backward (a grad forward of the 1.3B model holds ~10-20 GiB: results/kvpo_memory.md).
     route: the branch's router (kvpo.router), the replay seeing the context the branch was made under (not
@@ -168,9 +198,12 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
     score = torch.zeros((), device=x.device)
     for b in range(x.shape[0]):
         start = fork + b * layout['block']
+        text, switch = segments.text_at(context, start)
+        if switch:  # without grad, as the rollout's: the text keys carry no gradient
+            segments.recache_text(net, cache, text)
         for k, s in enumerate(sig):
             with torch.set_grad_enabled(torch.is_grad_enabled() and k < grad_steps):
-                v = _forward(net, x[b, k][None], torch.full((1,), s, device=x.device), context, cache, start,
+                v = _forward(net, x[b, k][None], torch.full((1,), s, device=x.device), text, cache, start,
                              checkpoint).float()
             pred = x[b, k][None] - s * v  # (1, C, f, h, w)
             if form == 'x0':
@@ -178,17 +211,21 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
             else:
                 score = score - ((x[b, k] - x0[b, k])[None] / s - v).square().mean() / 2
         if b + 1 < x.shape[0]:
-            with torch.no_grad():  # context_noise 0: the clean block at timestep 0 joins the cache
-                streaming.forward_block(net, pred.detach(), torch.zeros(1, device=x.device), context, cache, start,
-                                        write=True)
+            with torch.no_grad():  # the block at timestep 0 joins the cache, as in the rollout
+                write_block(net, pred.detach(), text, cache, start, seed, context_noise)
     return score
 
 
 def scores(net, context, state, fork, traj, keep, grad_steps=2, form='x0', checkpoint=False, routes=None):
     """(K,) TVE of every branch under `net`; routes: each branch's router (tve's route), None: routing off."""
     return torch.stack([tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form,
-                            checkpoint=checkpoint, route=None if routes is None else routes[g])
+                            checkpoint=checkpoint, route=None if routes is None else routes[g], **_written(traj))
                         for g in range(traj['x'].shape[0])])
+
+
+def _written(traj):
+    """How the rollout wrote its cache (write_block): the replay writes its own the same way."""
+    return dict(context_noise=traj.get('context_noise', 0.0), seed=traj.get('seed', 0))
 
 
 def backward(net, context, state, fork, traj, keep, objective, grad_steps=2, form='x0', scale=1.0, checkpoint=False,
@@ -204,7 +241,7 @@ def backward(net, context, state, fork, traj, keep, objective, grad_steps=2, for
     for g in range(len(s)):
         if d[g] != 0:  # a gated prompt (mechanism_1) costs no replay
             (d[g] * tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form,
-                        checkpoint=checkpoint, route=None if routes is None else routes[g])).backward()
+                        checkpoint=checkpoint, route=None if routes is None else routes[g], **_written(traj))).backward()
     return total.detach(), stats
 
 

@@ -12,9 +12,11 @@ What the defaults make of the objective: the rollout is the old policy's, synced
 can move only at the second; pi_init (the KL's reference) is the frozen initial model, KL 0 until the
 weights move. Every rank holds the whole model and gradients are averaged (all-reduce), as released: each
 rank's fork differs, so its number of forwards does (FSDP's per-forward collectives would not match).
-Where this differs from the released code: one prompt segment (no prompt switches: the long video's
-global reward is one clip centred in it); VideoAlign's VQ/MQ/TA are the reward components (the released
-default is HPSv3, not ported). The held-out evaluation is train.py's (models/evaluate.py: the family's
+A video switches prompt at `switch_frames` (kvpo/segments.py: the text keys replaced, the global reward one
+clip a segment); the update's learning rate follows diffusers' constant_with_warmup over steps of old_every
+rollouts (kvpo/optim.py, lr 0 in the first). Where this differs from the released code: VideoAlign's
+VQ/MQ/TA are the reward components (the released default is HPSv3, not ported); routing reads the planned
+frames (`release_reads` reproduces the release's reads); docs/kvpo.md section 2 lists the rest. The held-out evaluation is train.py's (models/evaluate.py: the family's
 generate, block by block; the alarm) on the EMA weights. A SIGTERM stops at the next prompt's rollout or
 replay (infra/preemption.py) and saves the last finished iteration.
 Tested by: python -m pytest tests/test_kvpo_train.py
@@ -28,13 +30,13 @@ import torch.distributed as dist
 
 import reward
 from infra import checkpoint, parallel, rundir
-from infra.configurator import configure, one_of
+from infra.configurator import configure, number, one_of
 from infra.preemption import Preemption
 from infra.prompt_cache import read_prompts
-from kvpo import kvpo
+from kvpo import kvpo, optim, segments
 from models import family
 from models.evaluate import Alarm, HeldOut
-from models.policy import load_policy, seed_of
+from models.policy import seed_of
 
 # ----------------------------------------------------------------------------- the method (released values)
 group = 8                       # K: routed branches a prompt (plus one unrouted anchor)
@@ -45,12 +47,18 @@ chunk_first = 21                # latent frames of the first chunk
 chunk_then = 18                 # latent frames of each later chunk
 within_chunks = 7               # a fork is drawn from the blocks of the first chunks
 cache_frames = 33               # frames the KV cache holds: the window and 21 more (the routing pool)
+release_reads = False           # True: read each routed older frame f from the slot of f + block once the cache
+                                # has rolled, as the released code does (a bug: docs/kvpo.md section 2)
+switch_frames = (39, 75, 111)   # latent frames where the prompt switches: 4 segments, text keys replaced; (): one
+context_noise = 0.00498         # sigma of the cache's timestep-0 writes: the released add_noise(x0, eps, t=0) on its
+                                # 1000-step shift-5 grid (5 x 0.001 / 1.004); 0: x0 itself
+tve_span = 'chunk'              # TVE records and replays from the fork to the end of its chunk | 'routed': P blocks
 grad_steps = 2                  # of the 4 denoising steps, the first ones carry gradient in the replay
 score_form = 'x0'               # TVE: 'x0' (weight 1 / 2 max(sigma, 1)^2) | 'velocity' (1 / 2)
 reward_weights = (1.0, 0.05, 0.1)  # (VQ, MQ, TA): each component's advantage weight
 train_local = True              # the fork chunk's reward (the short clip)
-train_global = True             # the long video's reward (a clip of global_clip frames in its middle)
-global_clip = 9                 # latent frames of the global reward's clip (36 video frames)
+train_global = True             # the long video's reward (the mean over a clip centred in each prompt segment)
+global_clip = 9                 # latent frames of each global clip (36 video frames)
 local_weight = 1.0              # fused advantage: local_weight A_loc / std + global_weight A_glob / std
 global_weight = 0.5
 adv_clamp = 2.5                 # the fused advantage is clamped to +-adv_clamp
@@ -63,15 +71,18 @@ replay_routed = False           # True: TVE replays a branch under its own routi
 gate = 'mechanism_2'            # unsafe prompt: 'mechanism_2' anchor slot (loss x 1/2) | 'mechanism_1' loss 0
 old_every = 2                   # iterations between syncs of the old (rollout) policy
 learning_rate = 1e-5            # AdamW, constant after the warm-up
-warmup = 5                      # optimizer steps of linear learning-rate warm-up
+warmup = 5                      # steps of linear learning-rate warm-up
+lr_schedule = 'constant_with_warmup'  # diffusers' (lr 0 at the first step), a step per old_every rollouts | 'per_rollout'
 weight_decay = 0.01
 grad_clip = 1.0                 # global gradient-norm clip
 ema_decay = 0.999               # the evaluated weights: an exponential average of the trained ones
-max_iters = 1500                # iterations (one optimizer step each)
+max_iters = 3000                # iterations: rollouts, one optimizer step each (released: 1500 steps of old_every)
 prompts_per_iter = 8            # prompts an iteration over all ranks (released: one a GPU)
 # ----------------------------------------------------------------------------- model, data, plumbing
 model = 'weights/LongLive'      # a streaming model directory (python -m models.wan_causal)
 lora_rank = 256                 # LoRA rank (alpha = rank) on the generator; 0: full fine-tuning
+adapter = 'checkpoint'          # the model's own LoRA trained on, every Linear | 'merged': a fresh one (kvpo/optim.py)
+train_dtype = 'bfloat16'        # the trained weights and AdamW's state: 'bfloat16' (released) | 'float32'
 reward_model = 'videoalign'     # 'videoalign' | 'world': the model's own (the toy's)
 videoalign_dir = 'weights/VideoReward'
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
@@ -89,8 +100,12 @@ keep_checkpoints = 2
 device = 'cuda'
 dist_timeout = 10.0             # minutes a collective waits
 seed = 42
-config = configure(globals(), rules=dict(gate=one_of('mechanism_2', 'mechanism_1'),
-                                         score_form=one_of('x0', 'velocity')))
+config = configure(globals(), rules=dict(
+    gate=one_of('mechanism_2', 'mechanism_1'), score_form=one_of('x0', 'velocity'), tve_span=one_of('chunk', 'routed'),
+    lr_schedule=one_of('constant_with_warmup', 'per_rollout'), adapter=one_of('checkpoint', 'merged'),
+    train_dtype=one_of('bfloat16', 'float32'), context_noise=number(0, 1),
+    switch_frames=((lambda v: list(v) == sorted(set(v)) and all(0 < s < frames for s in v)),
+                   'increasing latent frames inside the video')))
 
 # ----------------------------------------------------------------------------- setup
 ddp, rank, world, device = parallel.init(device, dist_timeout)
@@ -100,7 +115,7 @@ torch.set_num_threads(1) if device == 'cpu' else None  # reproducible, and fair 
 preemption = Preemption(rank, device)
 ckpts, history = rundir.claim(config, master)
 fam = family(model)
-policy = load_policy(model, device, lora_rank=lora_rank).train()  # a whole replica on every rank
+policy = optim.load_generator(model, device, lora_rank, adapter, train_dtype).train()  # a whole replica a rank
 old, init, ema = (copy.deepcopy(policy).eval().requires_grad_(False) for _ in range(3))
 trained = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
 ema_p, old_p = dict(ema.named_parameters()), dict(old.named_parameters())
@@ -137,32 +152,42 @@ if master:  # config.json's start; later rows go (a checkpoint precedes its iter
 
 # ----------------------------------------------------------------------------- the phases
 def my_prompts(it):
-    """(index, prompt) of this rank's prompts at iteration it: a seeded draw over all ranks."""
+    """(index, prompts) of this rank's videos at iteration it, one prompt a segment: a seeded draw over all ranks."""
+    n = len(switch_frames) + 1  # prompt segments a video
     g = torch.Generator().manual_seed(seed_of(seed, 'prompts', it))  # seed_of: 60 bits
-    pick = torch.randint(len(train_list), (prompts_per_iter,), generator=g).tolist()
-    return [(j, train_list[pick[j]]) for j in range(rank, prompts_per_iter, world)]
+    pick = torch.randint(len(train_list), (prompts_per_iter * n,), generator=g).tolist()
+    return [(j, [train_list[i] for i in pick[j * n:(j + 1) * n]]) for j in range(rank, prompts_per_iter, world)]
 
 
-def rollout(it, j, prompt):
-    """One prompt's routing plan and its K branches + anchor from the old policy (kvpo.rollout)."""
-    ctx = fam.context(encode([prompt])).to(device)
+def rollout(it, j, prompts):
+    """One video's routing plan and its K branches + anchor from the old policy (kvpo.rollout); the text of
+    each prompt segment [(first frame, text)], or one text if one segment."""
+    texts = [fam.context(encode([p])).to(device) for p in prompts]
+    ctx = texts[0] if len(texts) == 1 else [(a, t) for (a, _), t in zip(segments.bounds(frames, switch_frames), texts)]
     s = seed_of(seed, 'rollout', it, j) % 2 ** 31
     plan = kvpo.plan(frames, layout, group, m_nearest, perturb_blocks, cache_frames, s, chunk_first, chunk_then,
                      within_chunks)
-    clips, traj, state = kvpo.rollout(old, ctx, frames, (C, h, w), plan, s, m_nearest, perturb_blocks, cache_frames)
-    return dict(ctx=ctx, plan=plan, clips=clips, traj=traj, state=state, prompt=prompt)
+    chunk_end = next(b for a, b in kvpo.chunks(frames, chunk_first, chunk_then) if a <= plan['fork'] < b)
+    with optim.precision(device, train_dtype):
+        clips, traj, state = kvpo.rollout(old, ctx, frames, (C, h, w), plan, s, m_nearest, perturb_blocks,
+                                          cache_frames, chunk_end if tve_span == 'chunk' else None, context_noise,
+                                          release_reads)
+    return dict(ctx=ctx, plan=plan, clips=clips, traj=traj, state=state, prompts=prompts)
 
 
 @torch.no_grad()
 def score(g):
-    """{signal: {component: (K + 1,)}}: the fork chunk's clip (local) and a clip in the video's middle (global)."""
+    """{signal: {component: (K + 1,)}}: the fork chunk's clip with its segment's prompt (local), and the mean
+    over a clip centred in each prompt segment, each with its own prompt (global)."""
     a, b = next((a, b) for a, b in kvpo.chunks(frames, chunk_first, chunk_then) if a <= g['plan']['fork'] < b)
-    mid = max(0, min(frames - global_clip, frames // 2 - global_clip // 2))
+    clips = {'local': [(a, b, g['prompts'][segments.segment_of(g['plan']['fork'], switch_frames)])],
+             'global': [(lo, hi, p) for (lo, hi), p in zip(segments.global_clips(frames, switch_frames, global_clip),
+                                                           g['prompts'])]}
     out = {}
-    for name, on, (lo, hi) in (('local', train_local, (a, b)), ('global', train_global, (mid, mid + global_clip))):
+    for name, on in (('local', train_local), ('global', train_global)):
         if on:
-            sc = reward_fn(decode(g['clips'][:, :, lo:hi]), [g['prompt']] * (group + 1), fps)
-            out[name] = {k: sc[k].float().cpu() for k in reward.DIMS}
+            sc = [reward_fn(decode(g['clips'][:, :, lo:hi]), [p] * (group + 1), fps) for lo, hi, p in clips[name]]
+            out[name] = {k: torch.stack([c[k].float().cpu() for c in sc]).mean(0) for k in reward.DIMS}
     return out
 
 
@@ -182,19 +207,20 @@ def update(groups, it):
     stats = []
     for g in preemption.points(groups):  # a stop here drops these gradients: the weights have not moved
         args = (g['ctx'], g['state'], g['plan']['fork'])
-        routes = [kvpo.router(g['plan']['fork'], o, layout, m_nearest, perturb_blocks) for o in g['plan']['older']] \
-            if replay_routed else None  # None: the replay's routing is off, as released
-        with torch.no_grad():
+        routes = [kvpo.router(g['plan']['fork'], o, layout, m_nearest, perturb_blocks, cache_frames, release_reads)
+                  for o in g['plan']['older']] if replay_routed else None  # None: the replay's routing is off, as released
+        with torch.no_grad(), optim.precision(device, train_dtype):
             s_old, s_init = (kvpo.scores(net, *args, g['traj'], cache_frames, 0, score_form, routes=routes)
                              for net in (old, init))
         objective = lambda s: kvpo.loss(s, s_old, s_init, g['adv'], g['safe'], (clip_low, clip_high), kl_coef, gate)
-        if branch_backward:  # one branch's replay graph at a time (exact: kvpo.backward)
-            loss, st = kvpo.backward(policy, *args, g['traj'], cache_frames, objective, grad_steps, score_form,
-                                     scale=1 / len(groups), checkpoint=activation_checkpointing, routes=routes)
-        else:  # every branch's graph at once, as released (which checkpoints activations)
-            loss, st = objective(kvpo.scores(policy, *args, g['traj'], cache_frames, grad_steps, score_form,
-                                             activation_checkpointing, routes))
-            (loss / len(groups)).backward()
+        with optim.precision(device, train_dtype):
+            if branch_backward:  # one branch's replay graph at a time (exact: kvpo.backward)
+                loss, st = kvpo.backward(policy, *args, g['traj'], cache_frames, objective, grad_steps, score_form,
+                                         scale=1 / len(groups), checkpoint=activation_checkpointing, routes=routes)
+            else:  # every branch's graph at once, as released (which checkpoints activations)
+                loss, st = objective(kvpo.scores(policy, *args, g['traj'], cache_frames, grad_steps, score_form,
+                                                 activation_checkpointing, routes))
+                (loss / len(groups)).backward()
         stats.append(dict(st, loss=loss.item()))
     for _, p in trained:  # the mean over ranks (each rank's prompts already averaged)
         p.grad = torch.zeros_like(p) if p.grad is None else p.grad
@@ -206,8 +232,8 @@ def update(groups, it):
         dist.all_reduce(any_safe, op=dist.ReduceOp.MAX)
     gnorm = torch.nn.utils.clip_grad_norm_([p for _, p in trained], grad_clip).item()
     if gate == 'mechanism_2' or any_safe.item() > 0:  # mechanism_1: a step no rank finds safe is skipped
-        for grp in opt.param_groups:
-            grp['lr'] = learning_rate * min(1.0, (it + 1) / warmup)
+        for grp in opt.param_groups:  # released: diffusers' constant_with_warmup, a step per old_every rollouts
+            grp['lr'] = optim.lr_at(it, learning_rate, warmup, old_every, lr_schedule)
         opt.step()
         preemption.stepped()
         with torch.no_grad():
@@ -217,7 +243,8 @@ def update(groups, it):
         with torch.no_grad():
             for n, p in trained:
                 old_p[n].copy_(p)
-    return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} | dict(grad_norm=gnorm)
+    return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]} | dict(grad_norm=gnorm,
+                                                                            lr=opt.param_groups[0]['lr'])
 
 
 def log_iteration(it, groups, st, times):

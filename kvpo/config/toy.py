@@ -31,3 +31,9 @@ eval_every = 10
 save_every = 10
 out_dir = 'out-kvpo-toy'
 activation_checkpointing = False  # a 3-layer toy: activations are tiny
+# the released long-video choices the toy does not take (kvpo/train.py's defaults are the released values):
+tve_span = 'routed'             # the P routed blocks: a chunk of 9 frames would replay up to 5 blocks, not 2
+switch_frames = ()              # one prompt: the toy's 9-frame clips are one caption each
+context_noise = 0.0             # the toy's sampler is its own ODE (shift 3, 8 steps): no release grid to take it from
+lr_schedule = 'per_rollout'     # 30 rollouts, not 3000: a warm-up from 0 over 10 of them would idle a third of the run
+train_dtype = 'float32'         # a CPU run of a tiny model: bf16 would round away its lr 1e-4 steps on most weights

@@ -1,0 +1,263 @@
+"""
+KVPO's released choices beyond its method (issue 58; kvpo/segments.py, kvpo/optim.py, kvpo/kvpo.py), each
+against a reference written here. python -m pytest tests/test_kvpo_release.py
+- the global reward: for every eligible fork of kvpo/config/longlive.py's layout a scored global clip lies
+  after it (one a prompt segment, at hand-computed frames); the one clip in the middle missed 5 of the 12;
+- the prompt segments: a rollout switching prompt at a frame is streaming.generate continued from the same
+  cache with its text keys dropped (recomputed from the new prompt), the frames before the switch untouched;
+- the TVE span: from the fork to the end of its chunk records 6 blocks at fork 21 (the 5 routed ones the
+  same); with segments switching inside the span and the cache written with context noise, a branch
+  routed as the window replays to a TVE of 0 (the replay writes its cache and switches as the rollout did);
+- the cache is written from (1 - s) x0 + s eps at timestep 0; s in longlive.py is the release's grid's
+  sigma at timestep 0 (1000 steps, shift 5, computed here);
+- the release's routing reads against a brute-force emulation of its ring buffer and slot arithmetic
+  (fork 39 plans 21-25 and reads 24-28; forks 21 and 24 read what they plan);
+- the schedule against diffusers' own get_constant_schedule_with_warmup stepped every 2 rollouts;
+- LongLive's LoRA loaded into a rank-256 alpha-256 adapter on the 10 Linear layers of each block: exactly
+  those trainable, the forward equal to peft's own LoRA loaded with peft's set_peft_model_state_dict and to
+  the merged weights, and it keeps training; in bf16 AdamW's step of lr 1e-5 rounds away (8-bit mantissa);
+- the released choices together run the toy loop (lr 0 in the first step).
+"""
+import os
+import runpy
+import sys
+
+import pytest
+import torch
+
+from kvpo import kvpo, optim, segments
+from models import streaming, toy_ar
+from test_kvpo import SHAPE, text, tiny
+
+LONGLIVE = os.path.join(os.path.dirname(__file__), '..', 'kvpo', 'config', 'longlive.py')
+
+
+def longlive():
+    """kvpo/config/longlive.py's settings."""
+    out = {}
+    exec(open(LONGLIVE).read(), {}, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- the global reward, the segments
+def test_every_eligible_fork_has_a_global_clip_after_it():
+    c, L = longlive(), streaming.LAYOUT
+    forks = kvpo.eligible_forks(c['frames'], L, c['m_nearest'], c['perturb_blocks'], c['cache_frames'],
+                                c['chunk_first'], c['chunk_then'], c['within_chunks'])
+    assert forks == [21, 24, 39, 42, 57, 60, 75, 78, 93, 96, 111, 114]
+    clips = segments.global_clips(c['frames'], c['switch_frames'], c['global_clip'])
+    # segments [0, 39), [39, 75), [75, 111), [111, 147): centres 19, 57, 93, 129, 9 frames around each
+    assert clips == [(15, 24), (53, 62), (89, 98), (125, 134)]
+    assert all(any(lo >= f for lo, hi in clips) for f in forks)
+    one = segments.global_clips(c['frames'], (), c['global_clip'])  # one segment: the middle clip
+    assert one == [(69, 78)] and [f for f in forks if f >= 69] == [75, 78, 93, 96, 111, 114]
+    assert segments.bounds(147, (39, 75, 111)) == [(0, 39), (39, 75), (75, 111), (111, 147)]
+    assert [segments.segment_of(f, (39, 75, 111)) for f in (0, 38, 39, 74, 75, 146)] == [0, 0, 1, 1, 2, 3]
+
+
+def test_a_prompt_switch_replaces_the_text_keys():
+    L = toy_ar.LAYOUT  # ODE re-noising: the anchor is streaming.generate's clip from the same noise
+    net, c0, c1 = tiny(L, 1), text(1), text(2)
+    noise = kvpo.noise_at(1, range(9), 0, SHAPE)
+    for switch, fork in ((3, 5), (5, 5), (7, 5)):  # before the fork, at it, inside the routed blocks
+        clips, _, _ = kvpo.rollout(net, [(0, c0), (switch, c1)], 9, SHAPE, dict(fork=fork, older=[[1, 2]]), 1, 1, 2, 9)
+        cache = streaming.KVCache(L, keep=9)
+        a = streaming.generate(net, noise[:, :, :switch], c0, cache=cache)
+        cache.text = {}  # LongLive's switch: the cross-attention cache emptied, refilled from the new prompt
+        b = streaming.generate(net, noise[:, :, switch:], c1, cache=cache)
+        assert torch.allclose(clips[-1:], torch.cat([a, b], 2), atol=1e-6)
+        one, _, _ = kvpo.rollout(net, c0, 9, SHAPE, dict(fork=fork, older=[[1, 2]]), 1, 1, 2, 9)
+        assert torch.equal(one[:, :, :switch], clips[:, :, :switch])
+        assert not torch.allclose(one[:, :, switch:], clips[:, :, switch:], atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- TVE span, context noise
+def test_tve_span_to_the_end_of_the_chunk():
+    L = dict(streaming.LAYOUT)
+    net, ctx = tiny(L), text()
+    routing = dict(fork=21, older=[[3, 5, 7, 9, 11], [4, 6, 8, 10, 12]])  # pool [3, 17) at fork 21
+    clips, chunk, _ = kvpo.rollout(net, ctx, 39, SHAPE, routing, 0, 4, 5, 33, span_end=39)
+    _, routed, _ = kvpo.rollout(net, ctx, 39, SHAPE, routing, 0, 4, 5, 33)
+    assert chunk['x'].shape[:3] == (2, 6, 4) and routed['x'].shape[:3] == (2, 5, 4)  # chunk [21, 39): 6 blocks
+    assert torch.equal(chunk['x'][:, :5], routed['x']) and torch.equal(chunk['x0'][:, :5], routed['x0'])
+    assert torch.equal(chunk['x0'][:, 5, -1], clips[:2, :, 36:39])  # the 6th block: the branch's own frames
+
+
+def test_replay_switches_and_writes_as_the_rollout():
+    # a branch routed as the window is the anchor; replayed over 4 blocks (to the chunk's end) with a switch
+    # inside them and the cache written with context noise, its TVE is 0 (the replay's cache is the rollout's)
+    net, c0, c1 = tiny(toy_ar.LAYOUT, 1), text(1), text(2)
+    ctx, routing = [(0, c0), (7, c1)], dict(fork=5, older=[[3, 4], [1, 2]])
+    clips, traj, state = kvpo.rollout(net, ctx, 9, SHAPE, routing, 1, 1, 1, 9, span_end=9, context_noise=0.05)
+    assert torch.equal(clips[0], clips[2]) and traj['x'].shape[1] == 4
+    s = kvpo.scores(net, ctx, state, 5, traj, 9, grad_steps=0)
+    assert abs(s[0].item()) < 1e-10 and s[1].item() < -1e-6
+    wrong = [kvpo.tve(net, ctx, state, 5, traj['x'][0], traj['x0'][0], 9),  # the cache written from x0
+             kvpo.tve(net, c0, state, 5, traj['x'][0], traj['x0'][0], 9, context_noise=0.05, seed=1)]  # no switch
+    assert all(w.item() < -1e-8 for w in wrong)
+
+
+def test_cache_written_from_add_noise_at_timestep_0():
+    net, ctx = tiny(toy_ar.LAYOUT, 1), text(1)
+    writes, real = [], streaming.forward_block
+
+    def spy(net_, x, s, context, cache, start, write=False):
+        if write:
+            writes.append((start, x.clone(), s.clone()))
+        return real(net_, x, s, context, cache, start, write)
+    streaming.forward_block = spy
+    try:
+        clips, _, _ = kvpo.rollout(net, ctx, 6, SHAPE, dict(fork=5, older=[[1, 2]]), 3, 1, 1, 6, context_noise=0.1)
+    finally:
+        streaming.forward_block = real
+    S = len(toy_ar.LAYOUT['timesteps'])
+    for start, x, s in writes[:5]:  # the prefix's blocks 0..4
+        eps = kvpo.noise_at(3, [start], S, SHAPE)
+        assert torch.allclose(x, 0.9 * clips[-1:, :, start:start + 1] + 0.1 * eps, atol=1e-6) and s.item() == 0
+    # longlive.py's sigma: the release's FlowMatchScheduler(shift 5, sigma_min 0, extra_one_step) at
+    # 1000 steps, its add_noise at timestep 0 taking the grid's nearest (last) sigma
+    grid = torch.linspace(1.0, 0.0, 1001, dtype=torch.float64)[:-1]
+    grid = 5 * grid / (1 + 4 * grid)
+    assert longlive()['context_noise'] == pytest.approx(grid[torch.argmin((grid * 1000).abs())].item(), rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- the release's routing reads
+class Frames:
+    def __init__(self, frames):
+        self.frames = frames
+
+
+def release_reads(fork, older, keep=33, sink=3, block=3, m=4):
+    """What the released code reads for planned frames `older` at the fork block: its ring buffer of keep
+    frames (the sink pinned, then the newest keep - sink, the block itself inserted before attention),
+    each frame's slot computed as sink + (f - visible start), visible start = max(sink, the block's start -
+    the non-sink frames up to the buffer's end); the frame that slot holds."""
+    end = fork + block
+    slots = list(range(sink)) + list(range(max(sink, end - (keep - sink)), end))  # slot -> frame
+    local_end = len(slots)
+    start = max(sink, fork - (local_end - sink))
+    return [slots[sink + f - start] for f in older if start <= f < fork - m]
+
+
+def test_release_reads_against_its_ring_buffer():
+    L = streaming.LAYOUT
+    cached = lambda f: Frames(list(range(3)) + list(range(max(3, f + 3 - 30), f)))  # at the fork block
+    planned = [21, 22, 23, 24, 25]
+    assert kvpo.router(39, planned, L, 4, 5, 33, False)(cached(39), 39, 42)[3:8] == planned
+    assert kvpo.router(39, planned, L, 4, 5, 33, True)(cached(39), 39, 42)[3:8] == [24, 25, 26, 27, 28]
+    c = longlive()
+    forks = kvpo.eligible_forks(c['frames'], L, 4, 5, 33, 21, 18, 7)
+    for seed in range(12):
+        p = kvpo.plan(c['frames'], L, 8, 4, 5, 33, seed, 21, 18, 7)
+        f = p['fork']
+        for older in p['older']:
+            got = kvpo.router(f, older, L, 4, 5, 33, True)(cached(f), f, f + 3)[3:8]
+            assert got == release_reads(f, older) and (got == older) == (f in (21, 24))
+    assert [f for f in forks if release_reads(f, [f - 5]) == [f - 5]] == [21, 24]  # forks 21 and 24 escape
+
+
+# ----------------------------------------------------------------------------- the schedule
+def test_schedule_is_diffusers_constant_with_warmup_per_two_rollouts():
+    from diffusers.optimization import get_constant_schedule_with_warmup
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-5)
+    sched = get_constant_schedule_with_warmup(opt, num_warmup_steps=5)
+    for it in range(30):
+        assert optim.lr_at(it, 1e-5, 5, 2) == pytest.approx(opt.param_groups[0]['lr'], abs=1e-20)
+        if it % 2 == 1:  # an accumulation boundary: the released trainer steps its scheduler
+            opt.step()  # (no gradient: nothing moves) before the scheduler's step, as torch wants
+            sched.step()
+    assert [optim.lr_at(it, 1e-5, 5, 2) for it in (0, 1, 9, 10)] == [0, 0, pytest.approx(8e-6), 1e-5]
+    assert [optim.lr_at(it, 1e-4, 5, 2, 'per_rollout') for it in (0, 4, 9)] == [pytest.approx(2e-5), 1e-4, 1e-4]
+
+
+# ----------------------------------------------------------------------------- the adapter, bf16
+@pytest.fixture(scope='module')
+def lora_model(tmp_path_factory):
+    """A tiny causal Wan directory with a LoRA of rank 256 on all 10 Linear of each block, written as
+    LongLive writes it ({'generator_lora': peft keys in the original Wan names}); its pairs by diffusers name."""
+    import json
+    from tiny_wan_causal import make_tiny_causal, original_name
+    root = str(tmp_path_factory.mktemp('lora'))
+    path, sd = make_tiny_causal(root)
+    g, pairs, file = torch.Generator().manual_seed(0), {}, {}
+    for k, w in sd.items():
+        if k.endswith('.weight') and w.dim() == 2 and k.startswith('blocks.'):  # the blocks' Linear layers
+            mod = k[:-len('.weight')]
+            A, B = 0.05 * torch.randn(256, w.shape[1], generator=g), 0.05 * torch.randn(w.shape[0], 256, generator=g)
+            pairs[mod] = (A, B)
+            for part, t in (('lora_A', A), ('lora_B', B)):
+                file[f'base_model.model.{original_name(k)[:-len(".weight")]}.{part}.weight'] = t
+    torch.save({'generator_lora': file, 'step': 0}, os.path.join(root, 'lora.pt'))
+    index = os.path.join(path, 'model_index.json')
+    json.dump({**json.load(open(index)), 'lora': os.path.join(root, 'lora.pt')}, open(index, 'w'))
+    return path, sd, pairs
+
+
+def forward(net, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, ctx = torch.randn(1, 16, 3, 4, 4, generator=g), torch.randn(1, 5, 16, generator=g)
+    return streaming.forward_masked(net, x, torch.full((1, 3), 0.7), ctx, range(3), torch.ones(3, 3, dtype=torch.bool))
+
+
+def test_checkpoint_lora_is_peft_lora_on_every_linear_and_trains(lora_model):
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from diffusers import WanTransformer3DModel
+    from models import wan_causal
+    path, sd, pairs = lora_model
+    assert len(pairs) == 10 * 3  # 10 Linear a block, 3 blocks
+    net = optim.load_generator(path, 'cpu', 256, 'checkpoint', 'float32')
+    trained = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert trained == {f'{m}.{ab}.default.weight' for m in pairs for ab in ('lora_A', 'lora_B')}
+    # peft's own: the base weights, an adapter injected on the same modules, the pairs set by peft
+    index = wan_causal._index(path)
+    ref = wan_causal.build(WanTransformer3DModel.load_config(index['wan'], subfolder='transformer'), net.layout)
+    ref.load_state_dict(sd, assign=True)
+    with torch.no_grad():
+        v_base = forward(ref)  # no adapter
+    inject_adapter_in_model(LoraConfig(r=256, lora_alpha=256, target_modules=list(pairs)), ref)
+    set_peft_model_state_dict(ref, {f'{m}.{ab}.weight': t for m, (A, B) in pairs.items()
+                                    for ab, t in (('lora_A', A), ('lora_B', B))})
+    merged = wan_causal.load_transformer(path)  # the LoRA merged: W + B A
+    with torch.no_grad():
+        v, v_ref, v_merged = forward(net), forward(ref), forward(merged)
+    assert torch.allclose(v, v_ref, atol=1e-5) and torch.allclose(v, v_merged, atol=1e-4)
+    assert not torch.allclose(v, v_base, atol=1e-3)  # the adapter acts
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    forward(net).square().mean().backward()
+    opt.step()
+    moved = {n for n, p in net.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == trained
+
+
+def test_bf16_training_rounds_away_small_steps(lora_model):
+    path, _, _ = lora_model
+    for dtype in ('bfloat16', 'float32'):
+        net = optim.load_generator(path, 'cpu', 256, 'checkpoint', dtype)
+        trained = [p for p in net.parameters() if p.requires_grad]
+        assert all(p.dtype == getattr(torch, dtype) for p in trained)
+        opt = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0)
+        before = [p.detach().clone() for p in trained]
+        for p in trained:
+            p.grad = torch.ones_like(p)
+        opt.step()  # Adam's first step: each weight moves by lr (m / sqrt(v) = 1)
+        assert all(s.dtype == getattr(torch, dtype) for st in opt.state.values() for s in (st['exp_avg'],))
+        w, b = torch.cat([p.detach().float().flatten() for p in trained]), torch.cat([p.float().flatten() for p in before])
+        big = b.abs() >= 2 ** -6  # a bf16 ulp there is >= 2^-13 = 1.2e-4: a step of 1e-5 rounds back
+        if dtype == 'bfloat16':
+            assert torch.equal(w[big], b[big]) and big.sum() > 1000
+        else:
+            assert torch.allclose(b - w, torch.full_like(w, 1e-5), rtol=1e-2, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- the loop
+def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
+    from test_train import metrics
+    out = str(tmp_path / 'run')
+    monkeypatch.setattr(sys, 'argv', [
+        'kvpo.train', 'kvpo/config/toy.py', '--prompts_per_iter=2', '--group=3', '--max_iters=1', '--eval_every=0',
+        '--save_every=0', f'--out_dir={out}', '--tve_span=chunk', '--switch_frames=(6,)', '--context_noise=0.005',
+        '--lr_schedule=constant_with_warmup', '--train_dtype=bfloat16', '--release_reads=True'])
+    runpy.run_module('kvpo.train', run_name='__main__')
+    (row,) = [r for r in metrics(out) if 'loss' in r]
+    assert row['lr'] == 0 and row['grad_norm'] > 0 and row['loss'] == row['loss']
