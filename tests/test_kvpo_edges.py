@@ -14,7 +14,8 @@ something written here. python -m pytest tests/test_kvpo_edges.py
 - GRPO-SDE draws one z a block and step, at ODE steps too: the noise a stochastic step gets is the same
   whichever other steps are stochastic, and is the generator's (block * S + step)-th draw;
 - grpo_ar's loss divides by the valid clips of all ranks (a sum): with a second rank faked by its count
-  (parallel.mean of this rank's and another's), the gradient is this rank's clips' over their total.
+  (parallel.mean of this rank's and another's), this rank's gradient is the one-process gradient of its
+  clips times mine / (mine + other), an empty second rank included (an average would double it).
 kvpo.train and kvpo.grpo_ar are set up once each (runpy, max_iters=0, the committed toy) and their phase
 functions called here; every test starts from the same weights and a fresh optimizer.
 """
@@ -284,14 +285,13 @@ def test_grpo_ar_divides_by_the_valid_clips_of_all_ranks(ga, monkeypatch):
     groups[0]['adv'] = torch.tensor([1.0, -0.4, -0.6])  # one rank's group; its 3 clips valid
     groups[0]['valid'] = torch.tensor([True, True, True])
     params = [p for _, p in G['trained']]
-    mine = 3
-    grads = {}
-    for other in (0, 3, 9):  # the other rank's valid clips: this rank's share shrinks to mine / (mine + other)
-        monkeypatch.setattr(parallel, 'mean', lambda x, device, o=other: (x + o) / 2)  # two ranks' mean
-        monkeypatch.setitem(G, 'world', 2)
-        G['update'](groups, 0, train, s_t)
-        grads[other] = flat_grads(params)
-    assert grads[0].norm() > 0
-    for other in (3, 9):
-        want = grads[0] * mine / (mine + other)
-        assert (grads[other] - want).norm() < 1e-5 * want.norm(), other
+    G['update'](groups, 0, train, s_t)  # one process: its 3 clips are all there are
+    alone, mine = flat_grads(params), 3
+    assert alone.norm() > 0
+    for other in (0, 3, 9):  # a second rank's valid clips: this rank's share is mine / (mine + other) of alone
+        with monkeypatch.context() as mp:
+            mp.setattr(parallel, 'mean', lambda x, device, o=other: (x + o) / 2)  # the two ranks' mean
+            mp.setitem(G, 'world', 2)
+            G['update'](groups, 0, train, s_t)
+        want = alone * mine / (mine + other)
+        assert (flat_grads(params) - want).norm() < 1e-5 * want.norm(), other
