@@ -64,6 +64,8 @@ def plan(frames, layout, K, m, P, keep, seed, first, then, within):
     """The routing of one prompt: {'fork', 'older': K sorted frame lists}. The fork is uniform over the
     eligible blocks; branch k takes positions (k shift + i) mod |pool|, i < n_random, of one seeded
     permutation of the pool, shift = max(1, |pool| // K), so branches overlap little."""
+    if layout.get('window') is None:  # KVPO routes the frames a window dropped: a global cache drops none
+        raise SystemExit(f"kvpo routes a windowed cache (LongLive's); {layout.get('name')} attends globally: nothing to route")
     forks = eligible_forks(frames, layout, m, P, keep, first, then, within)
     assert forks, f'no eligible fork in {frames} frames for P={P}, m={m} (a fork needs >= window and a pool)'
     gen = torch.Generator().manual_seed(seed)
