@@ -38,6 +38,13 @@ def global_clips(frames, switches, clip):
     return out
 
 
+def scored_clips(frames, switches, clip, prompts, fork, chunk):
+    """{'local': [(a, b, prompt)], 'global': [(lo, hi, prompt), ...]}: the fork's chunk (a, b) with the
+    prompt of the fork's segment, and each segment's global clip with that segment's prompt."""
+    return {'local': [(*chunk, prompts[segment_of(fork, switches)])],
+            'global': [(lo, hi, p) for (lo, hi), p in zip(global_clips(frames, switches, clip), prompts)]}
+
+
 def text_at(context, start):
     """(text, switch) of the block starting at `start`: context is one text tensor (one segment) or
     [(first frame, text), ...] in order; switch: a segment after the first begins at `start`."""

@@ -179,10 +179,9 @@ def rollout(it, j, prompts):
 def score(g):
     """{signal: {component: (K + 1,)}}: the fork chunk's clip with its segment's prompt (local), and the mean
     over a clip centred in each prompt segment, each with its own prompt (global)."""
-    a, b = next((a, b) for a, b in kvpo.chunks(frames, chunk_first, chunk_then) if a <= g['plan']['fork'] < b)
-    clips = {'local': [(a, b, g['prompts'][segments.segment_of(g['plan']['fork'], switch_frames)])],
-             'global': [(lo, hi, p) for (lo, hi), p in zip(segments.global_clips(frames, switch_frames, global_clip),
-                                                           g['prompts'])]}
+    fork = g['plan']['fork']
+    chunk = next((a, b) for a, b in kvpo.chunks(frames, chunk_first, chunk_then) if a <= fork < b)
+    clips = segments.scored_clips(frames, switch_frames, global_clip, g['prompts'], fork, chunk)
     out = {}
     for name, on in (('local', train_local), ('global', train_global)):
         if on:

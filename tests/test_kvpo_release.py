@@ -2,7 +2,8 @@
 KVPO's released choices beyond its method (issue 58; kvpo/segments.py, kvpo/optim.py, kvpo/kvpo.py), each
 against a reference written here. python -m pytest tests/test_kvpo_release.py
 - the global reward: for every eligible fork of kvpo/config/longlive.py's layout a scored global clip lies
-  after it (one a prompt segment, at hand-computed frames); the one clip in the middle missed 5 of the 12;
+  after it (one a prompt segment, at hand-computed frames, each scored with its segment's prompt, the local
+  clip with the fork's); the one clip in the middle missed 5 of the 12;
 - the prompt segments: a rollout switching prompt at a frame is streaming.generate continued from the same
   cache with its text keys dropped (recomputed from the new prompt), the frames before the switch untouched;
 - the TVE span: from the fork to the end of its chunk records 6 blocks at fork 21 (the 5 routed ones the
@@ -53,6 +54,10 @@ def test_every_eligible_fork_has_a_global_clip_after_it():
     assert one == [(69, 78)] and [f for f in forks if f >= 69] == [75, 78, 93, 96, 111, 114]
     assert segments.bounds(147, (39, 75, 111)) == [(0, 39), (39, 75), (75, 111), (111, 147)]
     assert [segments.segment_of(f, (39, 75, 111)) for f in (0, 38, 39, 74, 75, 146)] == [0, 0, 1, 1, 2, 3]
+    # what the loop scores: the fork's chunk with its segment's prompt, each segment's clip with its own
+    got = segments.scored_clips(147, (39, 75, 111), 9, ['p0', 'p1', 'p2', 'p3'], 78, (75, 93))
+    assert got == {'local': [(75, 93, 'p2')],
+                   'global': [(15, 24, 'p0'), (53, 62, 'p1'), (89, 98, 'p2'), (125, 134, 'p3')]}
 
 
 def test_a_prompt_switch_replaces_the_text_keys():
