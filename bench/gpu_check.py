@@ -1,42 +1,46 @@
 """
-The one command for a lent GPU machine (one H200 for a short window: torch and transformers installed, no
-diffusers, no network, no weights, one output folder of at most 8 files): six phases, each a process with
-its own time limit, all within `deadline` seconds (9 minutes; 9.5 with the install).
+The one command for a lent GPU machine (one H100 or H200 for a short window: torch and transformers installed,
+no diffusers, no network, no weights, one output folder of at most 8 files): six phases, each a process with
+its own time limit, all within `deadline` seconds (9 minutes; 9.5 with the install), in the order that
+answers the most important questions first.
 
-    # once, here: diffusers and what it needs beyond that machine's packages, as wheels in .whl/ (ignored)
-    echo /.whl/ >> .git/info/exclude
-    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_17_x86_64 -d .whl diffusers==0.42.1 importlib_metadata==8.7.0
+    bash bench/gpu_wheels.sh            # once, here: the pinned diffusers/transformers/peft wheels into .whl/
     # there: the device tool's run(carry=['.whl'], timeout_s=600, command=...), $OUT the folder that comes back
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out=$OUT
     python -m bench.gpu_check --out=gpu_out                 # any machine with a GPU and the requirements
     python -m bench.gpu_check --report=gpu_out              # a GPU run's files -> results/gpu.md
-    python -m bench.gpu_check --device=cpu --out=/tmp/gc    # the same phases at the tests' tiny sizes (~2.5 min)
+    python -m bench.gpu_check --device=cpu --out=/tmp/gc    # the same phases at the tests' tiny sizes (~3 min)
 
 Each phase writes <out>/<i>_<name>.json the moment it has something (a phase that fails or runs out of
 time still leaves its json, saying so) and prints one summary line; <out>/gpu_check.log keeps each
 phase's last output lines: 7 files. Random weights at the real width, built on the GPU
-(bench/gpu_phases.py); on a CPU the tests' tiny models.
-0. env: versions, a bf16 matmul's TFLOP/s, the kernel torch's SDPA runs for a block's attention.
-1. drift: the 8.3B transformer at full depth, the rollout-shaped forward (rollout_batch clips, no grad)
-   against the update-shaped one (one clip, grad + gradient checkpointing) at the same weights and x_t,
-   through policy.velocity and sde.step, at `steps` of sde.sigmas(20, 5): max |d logp|, |dv|/|v|, the
-   fraction of clips whose ratio leaves 1 +- clip_range (the update's ratio at theta == theta_old); the
-   rollout forward's time and peak.
-2. attention: valid_tokens (models/attention.attend) on native, _native_flash, _native_cudnn,
-   _native_efficient, flash and _flash_3 where installed, at `video_sizes`: forward and forward +
-   backward by CUDA events, TFLOP/s; the fastest (at the larger size) is the backend phase 3 runs, and the
-   one to make train.py's attention_backend on that GPU.
-3. update: a full fine-tune's micro-step under FSDP2 at world 1 with `blocks` and 2x`blocks` blocks
+(bench/gpu_phases.py, bench/gpu_phases_train.py); on a CPU the tests' tiny models.
+0. env: fails fast, with one line, and then nothing else runs: the carried wheels import (diffusers,
+   transformers, peft), the hub is offline (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE = 1: this check sets
+   them), a one-rank NCCL all-reduce; then versions, a bf16 matmul's TFLOP/s, the kernel of torch's SDPA.
+1. smoke: train.py with the tests' tiny models under torchrun (1 GPU, NCCL; on a CPU 2 ranks, gloo):
+   one iteration, a resume that trains one more and exports; the export loaded by diffusers. The
+   recompute fix and the whole program on real CUDA, first.
+2. update: a full fine-tune's micro-step under FSDP2 at world 1 with `blocks` and 2x`blocks` blocks
    (anchor forward, forward, backward, clip, Muon + AdamW, timed apart), slopes to 54 blocks on a rank of
-   8, MFU from bench.fullsize's FLOP table; with velocity()'s bf16 autocast and without.
+   8: its time, MFU from bench.fullsize's FLOP table, and its memory peak with the reward models
+   resident (the figure that says whether a real update fits); with velocity()'s bf16 autocast and without.
+3. attention: valid_tokens (models/attention.attend) on native, _native_flash, _native_cudnn,
+   _native_efficient, flash and _flash_3 where installed, at the training size (81x352x624: 18018 video
+   tokens, 18306 with the prompt's text): output and q, k, v gradients against native's, forward and
+   forward + backward by CUDA events; the fastest of those within ATTN_TOL (2e-2 of native's largest
+   value) is the one to make train.py's attention_backend on that GPU.
 4. reward: VideoAlign (Qwen2-VL-2B at its real depth) scoring four clips, the VAE at its released widths
    decoding one clip of each size: time, allocated and reserved peaks.
-5. smoke: train.py with the tests' tiny models under torchrun (1 GPU, NCCL; on a CPU 2 ranks, gloo):
-   one iteration, a resume that trains one more and exports (on a CPU in one plain process); the export
-   loaded by diffusers.
-Tested by: python -m pytest -m slow tests/test_gpu_check.py (the CPU path)
+5. drift: the 8.3B transformer at full depth through models.policy.shard (FSDP2 over one rank: train.py's
+   dtype path), the rollout-shaped forward (rollout_batch clips, no grad) against the update-shaped one
+   (one clip, grad + gradient checkpointing) at the same weights and x_t, through policy.velocity and
+   sde.step, at `steps` of sde.sigmas(20, 5) (a late one, a middle one): max |d logp|, |dv|/|v|, the
+   fraction of clips whose ratio leaves 1 +- clip_range; the rollout forward's time and a world-1 rank's peak.
+Budgets (s) on a GPU, estimated: env 30, smoke 110, update 110, attention 60, reward 80, drift 110 (480 of
+540); the CPU run's own times are in results/gpu.md.
+Tested by: python -m pytest tests/test_gpu_check.py (the slow tier runs the CPU path)
 """
 import json
 import os
@@ -54,27 +58,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 device = 'cuda'                 # 'cuda' (one GPU) or 'cpu' (the same phases at the tests' tiny sizes)
 out = '/tmp/sage-gpu-check/out'  # the phases' json files and gpu_check.log (the device tool: $OUT)
 work_dir = '/tmp/sage-gpu-check/work'  # logs, tokenizers, the smoke run's models and out_dir (wiped at the start)
-phases = 'env,drift,attention,update,reward,smoke'  # the phases to run (a comma list of their names)
+phases = 'env,smoke,update,attention,reward,drift'  # the phases to run (a comma list of their names)
 deadline = 540.0                # seconds for all phases (the device's 10-minute command, less the install)
 phase_timeout = 150.0           # seconds: no phase runs longer (each has its share below, BUDGET)
-blocks = None                   # K of phase 3: K and 2K blocks (None: 4 on a GPU, 1 on a CPU)
-num_frames = 81                 # the clip of phases 1 and 3 (train.py's rollout size; a CPU: 9x64x96)
+blocks = None                   # K of the update phase: K and 2K blocks (None: 4 on a GPU, 1 on a CPU)
+num_frames = 81                 # the clip of the update and drift phases (train.py's rollout size; a CPU: 9x64x96)
 height = 352
 width = 624
-video_sizes = ((81, 352, 624), (81, 480, 848))  # phases 2 and 4: the paper's rollout size, the model's 480p
-steps = (19, 18, 17, 10, 0)     # phase 1's steps of the 20 (the late ones, of small std, first)
+attention_size = (81, 352, 624)  # the attention phase's clip: the training size
+video_sizes = ((81, 352, 624), (81, 480, 848))  # the reward phase: the paper's rollout size, the model's 480p
+steps = (19, 10)                # the drift phase's steps of the 20: a late one (small std), a middle one
 rollout_batch = 4               # clips of the rollout forward (train.py's default)
 cfg = 6.0                       # classifier-free guidance of the forwards (train.py's default)
 clip_range = 1e-4               # the PPO clip the drift is compared with (train.py's default)
 report = ''                     # a folder of a GPU run's json files: write results/gpu.md from it, run nothing
 config = configure(globals(), rules=dict(
     steps=((lambda v: len(v) > 0 and all(0 <= k < 20 for k in v)), 'steps of the 20, each in 0..19'),
-    phases=list_of('env', 'drift', 'attention', 'update', 'reward', 'smoke')))
+    phases=list_of('env', 'smoke', 'update', 'attention', 'reward', 'drift')))
 # -----------------------------------------------------------------------------
-NAMES = ('env', 'drift', 'attention', 'update', 'reward', 'smoke')
+NAMES = ('env', 'smoke', 'update', 'attention', 'reward', 'drift')  # the most important question first
 FILES = {n: f'{i}_{n}.json' for i, n in enumerate(NAMES)}
-BUDGET = dict(env=30, drift=150, attention=60, update=110, reward=80, smoke=110)  # seconds on a GPU (540)
-BUDGET_CPU = dict(env=30, drift=60, attention=40, update=60, reward=60, smoke=150)  # on 2 shared cores
+BUDGET = dict(env=30, smoke=110, update=110, attention=60, reward=80, drift=110)  # seconds on a GPU (500 of 540)
+BUDGET_CPU = dict(env=40, smoke=150, update=70, attention=40, reward=60, drift=60)  # on 2 shared cores
+OFFLINE = dict(HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1')  # no network there: a hub lookup would hang
 
 
 def fmt(x, spec='.2g'):
@@ -86,23 +92,29 @@ def summary(name, r):
     if name == 'env':
         v, g = r['versions'], r.get('gpu', {})
         return (f"{g.get('name', 'cpu')}, torch {v['torch']}, CUDA {v['cuda']}, diffusers {v['diffusers']}, "
-                f"transformers {v['transformers']}; {r['matmul']['dtype'][6:]} matmul {r['matmul']['tflops']} TFLOP/s; "
+                f"transformers {v['transformers']}, peft {v.get('peft')}; all-reduce {r['all_reduce']['backend']} "
+                f"{r['all_reduce']['s']} s; {r['matmul']['dtype'][6:]} matmul {r['matmul']['tflops']} TFLOP/s; "
                 f"SDPA kernel: {'; '.join(r['sdpa']['kernels'])[:120]}")
     if name == 'drift':
         rows = ', '.join(f"step {s['step']} (std {s['std']}): |d logp| {fmt(s['max_abs_dlogp'])} |dv|/|v| "
                          f"{fmt(s['max_rel_dv'])} beyond clip {s['frac_beyond_clip']:.2f}" for s in r['steps'])
         s = r['steps'][-1]
-        return f"{r['params_b']}B, {rows}; rollout forward {s['rollout_s']} s, peak {s['rollout_peak_gib']} GiB"
+        return (f"{r['params_b']}B through shard(), {rows}; rollout forward {s['rollout_s']} s, peak "
+                f"{s['rollout_peak_gib']} GiB (world 1)")
     if name == 'attention':
-        ran = [f"{x['size']} {x['backend']} {x['fwd_bwd_ms']:.1f} ms ({x['fwd_bwd_tflops']} TFLOP/s)"
+        ran = [f"{x['backend']} {x['fwd_bwd_ms']:.1f} ms ({x['fwd_bwd_tflops']} TFLOP/s, diff "
+               f"{fmt(max(x['max_rel_diff'], x['max_rel_diff_grads']))}{'' if x['agrees'] else ' DISAGREES'})"
                for x in r['rows'] if 'fwd_bwd_ms' in x]
-        return f"fwd+bwd: {'; '.join(ran)}; fastest {r.get('fastest')}"
+        return (f"{r['size']} ({r['tokens']['prompt']} tokens) fwd+bwd: {'; '.join(ran)}; fastest within "
+                f"{r['tolerance']} of native: {r.get('fastest')}")
     if name == 'update':
         parts = []
         for k, e in r['at_54_blocks_8_ranks'].items():
             parts.append(f"{k}: " + ', '.join(f"{p} {e[p]['s']} s" for p in ('anchor forward', 'forward', 'backward',
                                                                               'clip', 'muon'))
-                         + f", micro-step {e['micro_step_s']} s, MFU {fmt(e['mfu'])}")
+                         + f", micro-step {e['micro_step_s']} s, MFU {fmt(e['mfu'])}, peak "
+                         f"{e['peak_gib_per_rank']['total']} GiB a rank (reward models "
+                         f"{e['peak_gib_per_rank']['reward']} GiB included)")
         errors = [f"{x['blocks']} blocks autocast {x['autocast']}: {x['error']}" for x in r['runs'] if 'error' in x]
         return f"at 54 blocks, a rank of 8: {'; '.join(parts) or 'none'}" + ''.join(f'; {e}' for e in errors)
     if name == 'reward':
@@ -151,7 +163,7 @@ def run_phase(i, name, limit, cfg_json):
         tail = f.read().splitlines()[-60:]
     if status == 'timeout':
         rec['error'] = f'killed at its limit of {limit:.0f} s'
-    elif status == 'failed':  # the exception's line, else the last one
+    elif status == 'failed' and not rec.get('error'):  # the phase's own line, else the exception's, else the last
         rec['error'] = next((l for l in reversed(tail) if 'Error' in l or 'error' in l), tail[-1] if tail else '')[:300]
     if os.path.exists(path + '.tmp'):  # a write cut short by the kill: not one of the files that come back
         os.remove(path + '.tmp')
@@ -178,19 +190,21 @@ def main():
             os.remove(os.path.join(out, f))
     c = dict(config, blocks=blocks or (4 if cuda else 1), files=FILES, out=os.path.abspath(out),
              work_dir=os.path.abspath(work_dir), steps=list(steps))
-    t0, budget = time.time(), BUDGET if cuda else BUDGET_CPU
+    os.environ.update(OFFLINE)  # the phases' processes inherit it; the env phase checks it took
+    t0, budget, why_not = time.time(), BUDGET if cuda else BUDGET_CPU, None
     for i, name in enumerate(NAMES):
         if name not in [p.strip() for p in phases.split(',')]:
             continue
         limit = min(budget[name], phase_timeout, deadline - (time.time() - t0))
-        if limit < 2:  # no time left: the phase's json says so
+        why_not = why_not or (limit < 2 and 'the deadline left no time')
+        if why_not:  # the phase's json says why it did not run
             with open(os.path.join(out, FILES[name]), 'w') as f:
-                json.dump(dict(phase=name, status='skipped', error='the deadline left no time'), f)
-            print(f'{i} {name}: skipped | the deadline left no time', flush=True)
+                json.dump(dict(phase=name, status='skipped', error=why_not), f)
+            print(f'{i} {name}: skipped | {why_not}', flush=True)
             continue
         rec = run_phase(i, name, limit, json.dumps(c))
-        if name == 'attention' and rec.get('fastest'):
-            c['backend'] = rec['fastest']  # phase 3 runs it (phase 5: train.py's own default)
+        if name == 'env' and rec['status'] != 'ok':  # nothing else can run: fail fast
+            why_not = f"env failed: {rec.get('error', '')}"
     print(f'gpu_check: {time.time() - t0:.0f} s; files in {out}', flush=True)
 
 

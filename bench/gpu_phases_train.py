@@ -1,24 +1,26 @@
 """
-Phases 3-5 of bench/gpu_check.py (0-2, and how a phase runs and records: bench/gpu_phases.py):
+The phases of bench/gpu_check.py that run the training side (env, attention, drift and how a phase runs and
+records: bench/gpu_phases.py; what both use: bench/gpu_common.py):
 
-3. update: one micro-step of a full fine-tune as train.py's step_loss runs it, under FSDP2 at world 1, with
-   K and 2K blocks, each part timed apart; per-block slopes give 54 blocks and a rank of 8; MFU against
-   bench.fullsize's FLOP table (results/fullsize.json); with velocity()'s bf16 autocast and without it.
+1. smoke: train.py itself with the tests' tiny models under torchrun (one GPU with NCCL; two CPU ranks
+   with gloo): one iteration, then a resume that trains the next and exports; the export loaded back.
+2. update: one micro-step of a full fine-tune as train.py's step_loss runs it, under FSDP2 at world 1, with
+   K and 2K blocks, each part timed apart; per-block slopes give 54 blocks and a rank of 8: the time, MFU
+   against bench.fullsize's FLOP table (results/fullsize.json), and the rank's memory peak with the
+   reward models resident; with velocity()'s bf16 autocast and without it.
 4. reward: VideoAlign's Qwen2-VL-2B at its real depth scoring four clips through models.videoalign.VideoAlign,
    and the VAE at its released widths decoding one clip of each size.
-5. smoke: train.py itself with the tests' tiny models under torchrun (one GPU with NCCL; two CPU ranks
-   with gloo): one iteration, then a resume that trains the next and exports; the export loaded back.
+Tested by: python -m pytest tests/test_gpu_check.py
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import torch
 
-from bench.gpu_phases import GiB, ROOT, clock, cuda, latents, peak_gib, prompt_tokens, text, transformer, \
-    transformer_config
+from bench.gpu_common import GiB, ROOT, allocated_gib, clock, cuda, latents, one_rank, peak_gib, text, \
+    transformer, transformer_config
 
 sys.path.insert(0, os.path.join(ROOT, 'tests'))  # the tests' tiny models (tiny_*.py)
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM, the vendor's datasheet: the MFU's denominator
@@ -26,7 +28,7 @@ PARTS = ('anchor forward', 'forward', 'backward', 'clip', 'muon')  # 'muon': the
 MICRO_STEPS = 32 // 8 * 20  # of a rank in an iteration at the defaults: 32 clips over 8 ranks x 20 trained steps
 
 
-# ----------------------------------------------------------------------------- 3. the update
+# ----------------------------------------------------------------------------- 2. the update
 
 def guided(net, x, s, txt, txt_neg, amp, cfg=6.0):
     """policy.velocity with bf16 autocast on or off (off: FSDP2's bf16 parameters alone)."""
@@ -75,20 +77,9 @@ def micro_step(c, net, anchor, opts, x, x_next, mean_old, s, s_next, txt, txt_ne
     return out
 
 
-def one_rank(c):
-    """A process group of one rank (NCCL on a GPU, gloo on a CPU): FSDP2 over a world of 1."""
-    import torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    if cuda(c):
-        torch.cuda.set_device(0)
-    dist.init_process_group('nccl' if cuda(c) else 'gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0,
-                            world_size=1)
-
-
 def update(c, rec, save):
-    """Micro-steps at K and 2K blocks, autocast on and off; slopes to 54 blocks and 8 ranks; MFU."""
+    """Micro-steps at K and 2K blocks, autocast on and off; slopes to 54 blocks and 8 ranks: time, MFU
+    and the rank's memory peak with the reward models resident (extrapolate)."""
     import sde
     import torch.distributed as dist
     from infra.optimizer import build
@@ -104,8 +95,9 @@ def update(c, rec, save):
     sig, k = sde.sigmas(20, 5.0), 10
     s, s_next = sig[k].item(), sig[k + 1].item()
     rec.update(clip=[Fr, H, W], text=n, blocks=[K, 2 * K], step=k, runs=[])
-    backend = c.get('backend') or 'native'  # phase 2's fastest, when it ran first
+    backend = c.get('backend') or 'native'  # train.py's default (the attention phase runs after this one)
     rec['attention_backend'] = backend
+    rec['reward_resident_gib'] = reward_resident_gib(c)  # VideoAlign and the VAE's decoder, bf16, on the GPU
     for amp in (True, False):
         for blocks in (K, 2 * K):
             run = dict(autocast=amp, blocks=blocks)
@@ -123,6 +115,8 @@ def update(c, rec, save):
                 for rep in range(2 if cuda(c) else 1):  # on a GPU the first warms up (kernels, allocator)
                     parts = micro_step(c, net, anchor, opts, x, x_next, mean_old, s, s_next, txt, txt_neg, amp)
                 run.update({p: dict(s=round(t, 4), peak_gib=m) for p, (t, m) in parts.items()})
+                # at rest between micro-steps: the weights, the optimizer's state, the anchor (no gradient)
+                run.update(state_gib=allocated_gib(c), params=sum(p.numel() for p in net.parameters()))
             except Exception as e:
                 run['error'] = f'{type(e).__name__}: {str(e).splitlines()[0][:200]}' if str(e) else type(e).__name__
             net = opts = anchor = None
@@ -137,7 +131,13 @@ def extrapolate(c, rec, K, depth, Fr, H, W):
     """Per-block slopes of each part, to `depth` blocks on a rank of 8: each rank runs its own clip's
     forward and backward (as measured), Muon orthogonalises every whole matrix on every rank (as
     measured), the clip reads 1/8 of the gradients; the collectives are not measured at world 1. MFU:
-    the micro-step's FLOPs from bench.fullsize's table (a rank of 8 at this clip) over its time."""
+    the micro-step's FLOPs from bench.fullsize's table (a rank of 8 at this clip) over its time.
+    The rank's peak: at world 1 a part's peak holds every weight's state (fp32 weights, Muon/AdamW
+    state, the anchor: state_gib, measured at rest) and every fp32 gradient (4 bytes a weight) besides
+    what the pass itself holds (activations, a block's all-gathered bf16 weights, Muon's temporaries);
+    on 8 ranks FSDP2 keeps 1/8 of the state and of the gradients on each, the rest as measured, and the
+    reward models stay resident beside them (train.py loads VideoAlign and the decoder on every rank):
+    peak = (state + grads) / 8 + (peak - state - grads) + reward, each term slope-extrapolated to 54."""
     flops, table = None, os.path.join(ROOT, 'results', 'fullsize.json')
     if cuda(c) and os.path.exists(table):
         with open(table) as f:
@@ -159,6 +159,14 @@ def extrapolate(c, rec, K, depth, Fr, H, W):
             share = 8 if p == 'clip' else 1  # a rank clips its 1/8 of the gradients
             row[p] = dict(s_per_block=round(slope, 5), s=round((a[p]['s'] + (depth - K) * slope) / share, 3),
                           peak_gib_per_block=round((b[p]['peak_gib'] - a[p]['peak_gib']) / K, 3))
+        at = lambda key: a[key] + (depth - K) * (b[key] - a[key]) / K  # noqa: E731  to `depth` blocks
+        grads = at('params') * 4 / GiB  # fp32 gradients of every weight
+        top = {n: max(r[p]['peak_gib'] for p in PARTS) for n, r in ((K, a), (2 * K, b))}
+        transient = top[K] + (depth - K) * (top[2 * K] - top[K]) / K - at('state_gib') - grads
+        row['peak_gib_per_rank'] = dict(state=round(at('state_gib') / 8, 2), grads=round(grads / 8, 2),
+                                        transient=round(transient, 2), reward=rec['reward_resident_gib'],
+                                        total=round((at('state_gib') + grads) / 8 + transient
+                                                    + rec['reward_resident_gib'], 2))
         micro = sum(row[p]['s'] for p in PARTS[:3])
         step = row['clip']['s'] + row['muon']['s']
         row.update(micro_step_s=round(micro, 3), update_of_iteration_s=round(MICRO_STEPS * micro + step, 1),
@@ -204,6 +212,18 @@ def qwen2vl_2b(c, qwen_dir):
     return VideoAlign(model, head.requires_grad_(False), tok), sum(p.numel() for p in model.parameters())
 
 
+def reward_resident_gib(c):
+    """GiB that the reward models hold on a rank all through training: VideoAlign (Qwen2-VL-2B at its real
+    sizes on a GPU) and the VAE without its encoder, in bf16, counted on the meta device (nothing built)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+    import tiny_hunyuan
+    _, P = qwen2vl_2b(dict(c, device='meta'), os.path.join(c['work_dir'], 'qwen_tokenizer'))
+    with torch.device('meta'):
+        vae = AutoencoderKLHunyuanVideo15(**(dict(latent_channels=32) if cuda(c) else tiny_hunyuan.TINY['vae']))
+    decoder = sum(p.numel() for n, p in vae.named_parameters() if not n.startswith('encoder.'))  # load_decoder
+    return round((P + decoder) * 2 / GiB, 2)
+
+
 def reward(c, rec, save):
     """VideoAlign scoring four clips, then the VAE decoding a clip of each size: time, allocated and reserved peaks."""
     dev = c['device']
@@ -247,7 +267,7 @@ def reward(c, rec, save):
         save()
 
 
-# ----------------------------------------------------------------------------- 5. train.py itself
+# ----------------------------------------------------------------------------- 1. train.py itself
 
 def smoke(c, rec, save):
     """train.py on the tests' tiny models: an iteration, a resume that trains the next and exports."""

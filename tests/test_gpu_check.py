@@ -1,10 +1,15 @@
 """
 bench/gpu_check.py, the one command for a lent GPU, on its CPU path: every phase at the tests' tiny sizes
-(slow tier, ~2.5 min on 2 cores), and the time limits: a phase killed at its limit, and one the deadline
-leaves no time for, each still leave a json that says so.
+in the order env, smoke, update, attention, reward, drift (slow tier, ~3 min on 2 cores), and the time
+limits: a phase killed at its limit, and one the deadline leaves no time for, each still leave a json that
+says so; the env phase stops the check at once, with one line, when the carried wheels do not import;
+the attention phase picks only a backend that agrees with native; the carried wheels are the tested
+versions; the phases' modules import one way (no circle).
 
     python -m pytest -m slow tests/test_gpu_check.py
 """
+import ast
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -13,29 +18,81 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ('env', 'drift', 'attention', 'update', 'reward', 'smoke')
+NAMES = ('env', 'smoke', 'update', 'attention', 'reward', 'drift')
 
 
-def check(tmp_path, *args, timeout=600):
+def check(tmp_path, *args, timeout=600, env=None):
     out = tmp_path / 'out'
     p = subprocess.run([sys.executable, '-m', 'bench.gpu_check', '--device=cpu', f'--out={out}',
                         f'--work_dir={tmp_path / "work"}', *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS='1'))
+                       timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS='1', **(env or {})))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = {f: json.loads((out / f).read_text()) for f in os.listdir(out) if f.endswith('.json')}
     return p.stdout.splitlines(), recs, sorted(os.listdir(out))
 
 
 def test_a_phase_out_of_time_still_leaves_its_json(tmp_path):
-    lines, recs, files = check(tmp_path, '--phases=drift,smoke', '--phase_timeout=3', '--deadline=4')
-    assert files == ['1_drift.json', '5_smoke.json', 'gpu_check.log']
-    assert recs['1_drift.json']['status'] == 'timeout' and recs['1_drift.json']['limit_s'] == 3
-    assert recs['1_drift.json']['error'] == 'killed at its limit of 3 s'
-    assert recs['5_smoke.json']['status'] == 'skipped'  # 1 s left: not started
-    assert [l.split(':')[0] for l in lines[:2]] == ['1 drift', '5 smoke']
+    lines, recs, files = check(tmp_path, '--phases=smoke,drift', '--phase_timeout=3', '--deadline=4')
+    assert files == ['1_smoke.json', '5_drift.json', 'gpu_check.log']
+    assert recs['1_smoke.json']['status'] == 'timeout' and recs['1_smoke.json']['limit_s'] == 3
+    assert recs['1_smoke.json']['error'] == 'killed at its limit of 3 s'
+    assert recs['5_drift.json']['status'] == 'skipped'  # 1 s left: not started
+    assert [l.split(':')[0] for l in lines[:2]] == ['1 smoke', '5 drift']
 
 
-@pytest.mark.slow  # every phase at tiny size, train.py twice under torchrun: ~2.5 min on 2 cores
+def test_without_the_carried_wheels_the_env_phase_stops_everything_in_one_line(tmp_path):
+    """A machine where diffusers does not import (the wheels forgotten; here a diffusers that fails to
+    import comes first on the path): the env phase fails with one line naming the script that fetches
+    them, and no other phase starts (each json says why)."""
+    fake = tmp_path / 'site' / 'diffusers'
+    fake.mkdir(parents=True)
+    (fake / '__init__.py').write_text("raise ImportError('no module named diffusers (simulated)')\n")
+    lines, recs, files = check(tmp_path, env=dict(PYTHONPATH=str(tmp_path / 'site')), timeout=120)
+    assert files == [f'{i}_{n}.json' for i, n in enumerate(NAMES)] + ['gpu_check.log']
+    env = recs['0_env.json']
+    assert env['status'] == 'failed' and env['error'].startswith('env: diffusers does not import') \
+        and 'bash bench/gpu_wheels.sh' in env['error'], env
+    assert lines[0].startswith('0 env: failed') and 'bench/gpu_wheels.sh' in lines[0], lines
+    for i, n in list(enumerate(NAMES))[1:]:
+        assert recs[f'{i}_{n}.json'] == dict(phase=n, status='skipped', error=f"env failed: {env['error']}")
+
+
+def test_the_attention_backend_is_the_fastest_that_agrees_with_native():
+    from bench.gpu_phases import ATTN_TOL, fastest_agreeing
+    rows = [dict(backend='native', fwd_bwd_ms=10.0, agrees=True),
+            dict(backend='flash', fwd_bwd_ms=4.0, agrees=False),  # faster, but its gradients are off
+            dict(backend='_native_cudnn', fwd_bwd_ms=6.0, agrees=True),
+            dict(backend='_flash_3', skipped='not installed')]
+    assert fastest_agreeing(rows) == '_native_cudnn' and ATTN_TOL <= 2e-2
+    assert fastest_agreeing(rows[1:2]) is None
+
+
+def test_the_carried_wheels_are_the_tested_versions():
+    """bench/gpu_wheels.sh pins what this environment's tests run with: a GPU check runs the same code."""
+    pins = subprocess.run(['bash', os.path.join(ROOT, 'bench', 'gpu_wheels.sh'), '--print'], capture_output=True,
+                          text=True, check=True).stdout.split()
+    names = [p.split('==')[0] for p in pins]
+    assert {'diffusers', 'transformers', 'peft'} <= set(names)
+    assert pins == [f'{n}=={importlib.metadata.version(n)}' for n in names]
+
+
+def test_the_phases_import_one_way():
+    """bench/gpu_phases.py -> gpu_phases_train.py -> gpu_common.py, and no import back (a circle before)."""
+    deps = {}
+    for name in ('gpu_check', 'gpu_phases', 'gpu_phases_train', 'gpu_common'):
+        tree = ast.parse(open(os.path.join(ROOT, 'bench', f'{name}.py')).read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module.split('.')[-1]} | {a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split('.')[-1] for a in node.names}
+        deps[name] = found & {'gpu_check', 'gpu_phases', 'gpu_phases_train', 'gpu_common'}
+    assert deps == dict(gpu_check=set(), gpu_phases={'gpu_phases_train', 'gpu_common'},
+                        gpu_phases_train={'gpu_common'}, gpu_common=set()), deps
+
+
+@pytest.mark.slow  # every phase at tiny size, train.py twice under torchrun: ~3 min on 2 cores
 def test_every_phase_at_tiny_size_on_cpu(tmp_path):
     lines, recs, files = check(tmp_path)
     # what comes back from a device machine: at most 8 files, one json a phase and the log
@@ -44,14 +101,22 @@ def test_every_phase_at_tiny_size_on_cpu(tmp_path):
     r = {n: recs[f'{i}_{n}.json'] for i, n in enumerate(NAMES)}
     assert all(x['status'] == 'ok' and x['rc'] == 0 for x in r.values())
     assert r['env']['matmul']['tflops'] > 0 and r['env']['sdpa']['kernels']
-    # fp32 on a CPU: the rollout-shaped and update-shaped forwards agree far inside the clip range
-    assert [s['step'] for s in r['drift']['steps']] == [19, 18, 17, 10, 0]
+    assert r['env']['all_reduce'] == dict(backend='gloo', ok=True, s=r['env']['all_reduce']['s'])
+    assert r['env']['versions']['diffusers'] and r['env']['versions']['peft']
+    # fp32 on a CPU: the rollout-shaped and update-shaped forwards agree far inside the clip range, through
+    # the training run's FSDP2 wrapping
+    assert [s['step'] for s in r['drift']['steps']] == [19, 10] and r['drift']['path'].startswith('models.policy.shard')
     assert all(s['max_abs_dlogp'] < 1e-5 and s['frac_beyond_clip'] == 0 for s in r['drift']['steps'])
-    ran = {x['backend'] for x in r['attention']['rows'] if 'fwd_bwd_ms' in x}
-    assert 'native' in ran and r['attention']['fastest'] in ran
-    assert all(x['max_rel_diff'] < 1e-5 for x in r['attention']['rows'] if 'fwd_bwd_ms' in x)
+    a = r['attention']
+    ran = {x['backend'] for x in a['rows'] if 'fwd_bwd_ms' in x}
+    assert 'native' in ran and a['fastest'] in ran and a['tokens']['video'] == 3 * 4 * 6
+    assert all(x['agrees'] and x['max_rel_diff'] < 1e-5 and x['max_rel_diff_grads'] < 1e-5 for x in a['rows']
+               if 'fwd_bwd_ms' in x)
     parts = ('anchor forward', 'forward', 'backward', 'clip', 'muon')
     assert len(r['update']['runs']) == 4 and all(x[p]['s'] > 0 for x in r['update']['runs'] for p in parts)
     assert set(r['update']['at_54_blocks_8_ranks']) == {'autocast', 'no_autocast'}
+    assert r['update']['reward_resident_gib'] >= 0
+    peak = r['update']['at_54_blocks_8_ranks']['autocast']['peak_gib_per_rank']
+    assert set(peak) == {'state', 'grads', 'transient', 'reward', 'total'}
     assert r['reward']['videoalign']['second']['finite'] and len(r['reward']['vae']['decode']) == 1
     assert [x['iter'] for x in r['smoke']['iterations']] == [1, 2] and r['smoke']['export']['loaded']
