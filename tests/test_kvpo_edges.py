@@ -174,7 +174,8 @@ def fresh(G, start, **settings):
                 if n in start:
                     p.copy_(start[n])
     G['opt'] = torch.optim.AdamW([p for _, p in G['trained']], lr=1e-3, weight_decay=0.0)
-    G.update(dict(learning_rate=1e-3, warmup=1, grad_clip=1e30, old_every=2, weight_decay=0.0) | settings)
+    G.update(dict(learning_rate=1e-3, warmup=1, lr_schedule='per_rollout', grad_clip=1e30, old_every=2, ema_decay=0.9,
+                  gate='mechanism_2') | settings)  # per_rollout: lr x min(1, (it + 1) / warmup), the toy's
 
 
 def weights_of(net, names):
@@ -240,6 +241,68 @@ def test_pi_init_is_the_frozen_initial_model(kt):
     assert same(weights_of(G['init'], set(start)), start)  # frozen: the initial weights still
 
 
+def fake_ranks(monkeypatch, other_safe=None):
+    """torch.distributed.all_reduce as a second rank with this rank's gradients (SUM: doubled) and, for
+    the safety flag (MAX), other_safe (None: this rank's own)."""
+    import torch.distributed as dist
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, **kw):
+        if op == dist.ReduceOp.MAX:
+            t.clamp_(min=t.item() if other_safe is None else other_safe)
+        else:
+            t.mul_(2)
+    monkeypatch.setattr(dist, 'all_reduce', all_reduce)
+
+
+def test_update_two_identical_ranks_equal_one_process(kt, monkeypatch):
+    # every rank holds the whole model and the gradients are averaged: a second rank with the same prompts
+    # leaves the gradient and the step as one process makes them
+    G, start, groups = kt
+    fresh(G, start)
+    G['update'](groups, 0)
+    one = weights_of(G['policy'], set(start))
+    fresh(G, start)
+    with monkeypatch.context() as mp:
+        fake_ranks(mp)
+        mp.setitem(G, 'ddp', True)
+        mp.setitem(G, 'world', 2)
+        G['update'](groups, 0)
+    assert same(weights_of(G['policy'], set(start)), one) and not same(one, start)
+
+
+def adam_first_step(G, start):
+    """max |w - w0| after a first AdamW step (weight decay 0): lr |g| / (|g| + eps) ~ lr for every moved weight."""
+    return max((p.detach() - start[n]).abs().max().item() for n, p in G['trained'])
+
+
+def test_warmup_ema_and_mechanism_1(kt, monkeypatch):
+    G, start, groups = kt
+    names = set(start)
+    # the first step of AdamW moves a weight by the learning rate: here the warm-up's lr (it + 1) / warmup
+    for it in (0, 2):
+        fresh(G, start, learning_rate=1e-3, warmup=5, ema_decay=0.75)
+        G['update'](groups[:1], it)
+        assert adam_first_step(G, start) == pytest.approx(1e-3 * (it + 1) / 5, rel=1e-3), it
+        ema, now = weights_of(G['ema'], names), weights_of(G['policy'], names)
+        assert all(torch.allclose(ema[n], 0.75 * start[n] + 0.25 * now[n], atol=1e-7) for n in names)
+    # mechanism_1: a step no rank finds safe is skipped (AdamW's momentum would move the weights), and the EMA
+    # with it; a step another rank finds safe is taken
+    fresh(G, start, gate='mechanism_1')
+    G['opt'] = torch.optim.AdamW([p for _, p in G['trained']], lr=1e-3, weight_decay=0.01)
+    G['update'](groups[:1], 0)  # safe: a step, AdamW's moments no longer 0
+    unsafe = [dict(g, safe=False) for g in groups[:1]]
+    for other, moves in ((0.0, False), (1.0, True)):
+        before, ema = weights_of(G['policy'], names), weights_of(G['ema'], names)
+        with monkeypatch.context() as mp:
+            fake_ranks(mp, other_safe=other)
+            mp.setitem(G, 'ddp', True)
+            mp.setitem(G, 'world', 2)
+            st = G['update'](unsafe, 2)
+        assert st['loss'] == 0  # an unsafe prompt contributes nothing
+        assert same(weights_of(G['policy'], names), before) != moves, other
+        assert same(weights_of(G['ema'], names), ema) != moves, other
+
+
 # ----------------------------------------------------------------------------- GRPO-SDE's noise
 def test_grpo_sde_noise_does_not_shift_with_the_window(monkeypatch):
     S, real, calls = len(sde_ar.schedule(TOY)) - 1, sde.step, []
@@ -295,3 +358,19 @@ def test_grpo_ar_divides_by_the_valid_clips_of_all_ranks(ga, monkeypatch):
             G['update'](groups, 0, train, s_t)
         want = alone * mine / (mine + other)
         assert (flat_grads(params) - want).norm() < 1e-5 * want.norm(), other
+
+
+def test_grpo_ar_two_identical_ranks_equal_one_process(ga, monkeypatch):
+    # each rank's loss is its share of the mean over all ranks' clips; the all-reduce sums the shares
+    G, groups, train, s_t = ga
+    G.update(learning_rate=0.0, grad_clip=1e30)
+    params = [p for _, p in G['trained']]
+    G['update'](groups, 0, train, s_t)
+    one = flat_grads(params)
+    with monkeypatch.context() as mp:
+        fake_ranks(mp)
+        mp.setattr(parallel, 'mean', lambda x, device: x)  # the other rank has as many valid clips
+        mp.setitem(G, 'ddp', True)
+        mp.setitem(G, 'world', 2)
+        G['update'](groups, 0, train, s_t)
+    assert one.norm() > 0 and (flat_grads(params) - one).norm() < 1e-6 * one.norm()
