@@ -3,7 +3,8 @@ The run's state and its guards, each against something written here. python -m p
 - infra/rundir.Run: the optimizer-step count comes back on resume, so a moving anchor's refresh cadence
   (trust_region.Anchor, every 3 optimizer steps) continues: a run saved after step 4 and resumed equals a
   straight run of 8 steps, the anchor after every step included (a count restarted at 0 would refresh it
-  at step 7, not 6);
+  at step 7, not 6); the transformer passes, whether an evaluation is owed and the parts' state come
+  back too;
 - extras/diagnostics.NonFinite: a finite step resets the count (a NaN step is skipped, the next finite one
   taken); only `stop` non-finite steps in a row end the run, with one line naming the iteration;
 - models/policy.shard: every FSDP unit's mixed-precision policy reduce-scatters gradients in fp32 and
@@ -132,3 +133,39 @@ def test_a_killed_delete_leaves_nothing_to_resume_and_the_next_save_clears_it(tm
     assert open(os.path.join(out, 'latest')).read().strip() == 'ckpt_000003'
     checkpoint.finish_deletes()
     assert sorted(os.listdir(out)) == ['ckpt_000002', 'ckpt_000003', 'latest']  # the killed delete's leftover too
+
+
+class Part:
+    """A part of the loop's state (the controller, the alarm): a state_dict of plain values."""
+    def __init__(self):
+        self.value = 0.0
+
+    def state_dict(self):
+        return dict(value=self.value)
+
+    def load_state_dict(self, sd):
+        self.value = sd['value']
+
+
+def test_resume_restores_the_passes_the_owed_evaluation_and_the_parts(tmp_path):
+    out = str(tmp_path / 'out')
+
+    def new():
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        return rundir.Run(out, 2, model, [opt], tr.Anchor(model, 'none', 1), ('rollout', 'update'),
+                          dict(config={}), controller=Part())
+    run = new()
+    assert run.eval_owed and run.passes == dict(rollout=0, update=0)  # a new run owes the base model's evaluation
+    run.iter_num, run.opt_steps, run.passes = 3, 2, dict(rollout=12, update=5)
+    run.parts['controller'].value = 0.25
+    run.save(eval_owed=True)  # a stop during the evaluation: it is owed again
+    again = new()
+    again.resume(checkpoint.candidates(out, log=lambda m: None), log=lambda m: None)
+    assert (again.iter_num, again.opt_steps, again.passes, again.eval_owed) == (3, 2, dict(rollout=12, update=5), True)
+    assert again.parts['controller'].value == 0.25
+    run.iter_num = 4
+    run.save()  # the evaluation ran: none owed
+    again = new()
+    again.resume(checkpoint.candidates(out, log=lambda m: None), log=lambda m: None)
+    assert again.iter_num == 4 and again.eval_owed is False

@@ -6,6 +6,8 @@ written here on a tiny random streaming model (toy_ar's transformer). python -m 
   written with the negative text), v = v_neg + cfg (v_pos - v_neg), equals it; cfg 1 is the unguided clip;
 - the re-noising draws ('fresh' layout): one generator a sample, one (C, f, h, w) draw a block and step
   in that order (written out in the reference), so a sample is the same alone or in a batch;
+- a cache given, generation continues it (streaming.generate, sde_ar.generate): two calls of 3 frames
+  equal one of 6, the generators continuing;
 - kvpo.noise_at is a function of (seed, frame, step): a frame's noise is the same whichever frames are
   drawn beside it, and differs between steps and seeds.
 """
@@ -99,3 +101,21 @@ def test_kvpo_noise_is_a_function_of_seed_frame_and_step():
     one = kvpo.noise_at(7, [4], 2, shape)
     assert not torch.equal(one, kvpo.noise_at(7, [4], 3, shape)) and not torch.equal(one, kvpo.noise_at(8, [4], 2, shape))
     assert not torch.equal(one, kvpo.noise_at(7, [5], 2, shape))
+
+
+def test_generation_continues_a_cache():
+    # a cache given: noise's frames follow its newest (absolute positions, the window's frames read from it);
+    # 6 frames in two calls of 3 equal 6 at once, the generators continuing, and so does GRPO-SDE's rollout
+    from kvpo import sde_ar
+    net = tiny(FRESH)
+    noise = torch.randn(2, 4, FRAMES, 2, 2, generator=torch.Generator().manual_seed(3))
+    ctx = text(1)
+    whole = streaming.generate(net, noise, ctx, gens(11, 12))
+    cache, g = streaming.KVCache(net.layout), gens(11, 12)
+    parts = [streaming.generate(net, noise[:, :, a:a + 3], ctx, g, cache=cache) for a in (0, 3)]
+    assert cache.end == FRAMES and (torch.cat(parts, 2) - whole).abs().max() < 1e-5
+    whole, rec = sde_ar.generate(net, noise, ctx, [1, 4], 'sage', 0.5, gens(5, 6))
+    cache, g = streaming.KVCache(net.layout), gens(5, 6)
+    parts = [sde_ar.generate(net, noise[:, :, a:a + 3], ctx, [1, 4], 'sage', 0.5, g, cache=cache) for a in (0, 3)]
+    assert (torch.cat([p[0] for p in parts], 2) - whole).abs().max() < 1e-5
+    assert (torch.cat([p[1]['logps'] for p in parts], 2) - rec['logps']).abs().max() < 1e-4
