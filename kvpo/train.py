@@ -119,6 +119,8 @@ policy = optim.load_generator(model, device, lora_rank, adapter, train_dtype).tr
 old, init, ema = (copy.deepcopy(policy).eval().requires_grad_(False) for _ in range(3))
 trained = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
 ema_p, old_p = dict(ema.named_parameters()), dict(old.named_parameters())
+for n, _ in trained:  # the EMA in fp32 whatever train_dtype, as released (in bf16, 1e-3 of a step rounds away)
+    ema_p[n].data = ema_p[n].data.float()
 encode, decode = fam.text_encoder(model, device), fam.load_decoder(model, device)
 reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device, family=fam)
 C, _, h, w = fam.latent_shape(model, fam.DEFAULTS['num_frames'], fam.DEFAULTS['height'], fam.DEFAULTS['width'])
@@ -237,7 +239,7 @@ def update(groups, it):
         preemption.stepped()
         with torch.no_grad():
             for n, p in trained:
-                ema_p[n].lerp_(p, 1 - ema_decay)
+                ema_p[n].lerp_(p.float(), 1 - ema_decay)
     if (it + 1) % old_every == 0:  # the rollout policy catches up
         with torch.no_grad():
             for n, p in trained:
@@ -264,7 +266,8 @@ def log_iteration(it, groups, st, times):
 def held_out(it):
     """The EMA weights on the held-out prompts x eval_samples, block by block (the family's generate), scored
     and watched by the alarm as train.py's (models/evaluate.py)."""
-    means = held(ema, it, save_checkpoint)
+    with torch.autocast('cpu', torch.bfloat16, enabled=train_dtype == 'bfloat16'):  # bf16 weights on a CPU
+        means = held(ema, it, save_checkpoint)  # (a GPU's generate autocasts itself)
     watch, line = alarm(it, held.items)
     if line and master:
         print(line)

@@ -241,6 +241,9 @@ def test_bf16_training_rounds_away_small_steps(lora_model):
         net = optim.load_generator(path, 'cpu', 256, 'checkpoint', dtype)
         trained = [p for p in net.parameters() if p.requires_grad]
         assert all(p.dtype == getattr(torch, dtype) for p in trained)
+        with optim.precision('cpu', dtype):  # the loop's forwards: fp32 inputs, bf16 weights under autocast
+            forward(net).float().square().mean().backward()
+        assert all(p.grad is not None and p.grad.dtype == p.dtype and p.grad.abs().sum() > 0 for p in trained)
         opt = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0)
         before = [p.detach().clone() for p in trained]
         for p in trained:
@@ -258,11 +261,19 @@ def test_bf16_training_rounds_away_small_steps(lora_model):
 # ----------------------------------------------------------------------------- the loop
 def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
     from test_train import metrics
-    out = str(tmp_path / 'run')
+    out, held = str(tmp_path / 'run'), str(tmp_path / 'eval.txt')
+    with open(os.path.join(toy_ar.DIR, 'eval_prompts.txt')) as f:  # one held-out prompt: an evaluation in seconds
+        open(held, 'w').write(f.readline())
     monkeypatch.setattr(sys, 'argv', [
-        'kvpo.train', 'kvpo/config/toy.py', '--prompts_per_iter=2', '--group=3', '--max_iters=1', '--eval_every=0',
-        '--save_every=0', f'--out_dir={out}', '--tve_span=chunk', '--switch_frames=(6,)', '--context_noise=0.005',
-        '--lr_schedule=constant_with_warmup', '--train_dtype=bfloat16', '--release_reads=True'])
-    runpy.run_module('kvpo.train', run_name='__main__')
-    (row,) = [r for r in metrics(out) if 'loss' in r]
+        'kvpo.train', 'kvpo/config/toy.py', '--prompts_per_iter=2', '--group=3', '--max_iters=1', '--eval_every=1',
+        '--save_every=0', f'--out_dir={out}', f'--eval_prompts={held}', '--tve_span=chunk', '--switch_frames=(6,)',
+        '--context_noise=0.005', '--lr_schedule=constant_with_warmup', '--train_dtype=bfloat16', '--release_reads=True'])
+    g = runpy.run_module('kvpo.train', run_name='__main__')
+    rows = metrics(out)
+    (row,) = [r for r in rows if 'loss' in r]
     assert row['lr'] == 0 and row['grad_norm'] > 0 and row['loss'] == row['loss']
+    assert [r['iter'] for r in rows if 'eval_composite' in r] == [0, 1]  # the bf16 weights evaluated
+    # the trained weights in bf16 (but diffusers' fp32 modules: the norms, the time embedding), their EMA in fp32
+    keep = toy_ar.ToyARTransformer._keep_in_fp32_modules
+    assert all((p.dtype == torch.float32) == any(k in n for k in keep) for n, p in g['trained'])
+    assert all(g['ema_p'][n].dtype == torch.float32 for n, _ in g['trained'])  # as released
