@@ -26,8 +26,8 @@ import equalizer as eq
 import reward
 import sde
 import trust_region as tr
-from extras import credit as tvrl, diagnostics, metrics
-from infra import parallel, prompt_cache, rundir, sp
+from extras import credit as tvrl, diagnostics, metrics, preflight
+from infra import finite, parallel, prompt_cache, rundir, sp
 from infra.configurator import configure, rules
 from infra.optimizer import build as build_optimizers, clip_grad_norm, zero_grad
 from infra.preemption import Preemption
@@ -106,7 +106,8 @@ eval_every = 25                 # iterations between held-out evaluations (and a
 eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
 eval_videos = 4                 # mp4 files written per evaluation
-save_every = 50                 # iterations between checkpoints (and at the end and on SIGTERM)
+save_every = 50                 # iterations between checkpoints (and after a start's first, at the end, on SIGTERM)
+save_every_min = 30.0           # minutes of wall clock between checkpoints too (0: by count only)
 keep_checkpoints = 2            # newest checkpoints kept in out_dir
 export_dtype = 'bfloat16'       # the last checkpoint exported to out_dir/export; '' for none
 nonfinite_stop = 3              # optimizer steps skipped in a row (NaN gradient) that stop a run
@@ -126,10 +127,11 @@ config = configure(globals(), rules=rules(sde, eq, tr, reward, tvrl, metrics, at
 # -----------------------------------------------------------------------------
 
 # distributed setup: torchrun's environment, or one plain process (infra/parallel.py)
-ddp, rank, world, device = parallel.init(device, dist_timeout)
+ddp, rank, world, device = parallel.init(device, dist_timeout)  # expandable_segments before CUDA starts
 master = rank == 0
 quiet = print if master else lambda m: None
 quiet(json.dumps(config, indent=1))
+quiet(parallel.allocator_line(device))  # the allocator settings torch reports
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
 # sp inside a node, the shards and the clips divide the ranks (else one line, and nothing starts);
 # this rank's clips (global indices clip_ids), the same over an sp group (consecutive ranks)
@@ -142,6 +144,7 @@ eval_list, _ = prompt_cache.read_prompts(eval_prompts)
 parallel.check_shared(out_dir, 'out_dir', master)  # every rank sees rank 0's out_dir, or all stop
 check_versions(quiet)  # one line if diffusers or transformers is outside the tested range
 ckpts, history = rundir.claim(config, master, log=quiet)  # out_dir locked; the run it holds
+preflight.check(config)  # every path the run reads (weights, rewards, watchers): all named at once
 
 # models: the prompt embeddings first (rank 0 encodes them into out_dir's cache, every rank maps it)
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): no weights read
@@ -220,11 +223,13 @@ def rollout(it, steps):
 
 def score(clips, steps):
     """Decode and score the clips in memory, each once (an sp group divides them): {'VQ', 'MQ',
-    'TA', ...: (n,)}; tvrl: each clip's credit, and its old log-probs weighted by it."""
+    'TA', ...: (n,)}; tvrl: each clip's credit, and its old log-probs weighted by it. A clip whose
+    rollout went NaN or inf scores NaN and leaves the update (clips['finite'], infra/finite.py)."""
     def scored(idx):  # frames (n, F, 3, H, W) in [0, 1]
         frames = torch.cat([decode(x) for x in clips['xs'][idx, -1].split(rollout_batch)])
         return score_fn(frames, [clips['prompts'][i] for i in idx], fps)
     scores = sp.divide_work(scored, n_local, sp_mesh)
+    clips['finite'] = finite.mark(clips, scores)  # [bool] (n,); the others' latents set to 0
     if credit == 'tvrl':  # credit (n, 1, F, h, w), its peak (n,), the old log-probs weighted by it
         clips['credit'], scores['credit_peak'] = tvrl.reweight(clips, scores.pop('credit'), steps)
     return scores
@@ -291,14 +296,16 @@ def update(clips, batch, steps, s_t):
     order = torch.stack([torch.tensor(steps)[torch.randperm(len(steps), generator=torch.Generator()
                          .manual_seed(seed_of(seed, 'order', run.iter_num, i)))[:n_train]]
                          for i in clip_ids])  # (n, n_train) the trained steps of each clip
-    stats = diagnostics.UpdateStats(n_local * n_train, clip_range)  # what the log shows of it
-    def micro(ids):  # forward+backward passes: (train_batch of the clips, one of their steps)
-        return [(ids[i:i + train_batch], k) for i in range(0, len(ids), train_batch)
-                for k in range(n_train)]
+    stats = diagnostics.UpdateStats(max(1, sum(clips['finite'])) * n_train, clip_range)  # for the log
+    def micro(ids):  # forward+backward passes: (train_batch of the clips, stand-in, one of their steps)
+        return [(*finite.part(ids[i:i + train_batch], clips['finite']), k)  # NaN/inf rollouts left out
+                for i in range(0, len(ids), train_batch) for k in range(n_train)]
     if not on_policy:  # the old log-probs and means at theta_old in this batch shape: the ratio
         with torch.no_grad():  # measures the policy's move, not another shape's rounding (4.6)
-            for b, k in preemption.points(micro(list(range(n_local)))):
+            for b, stand_in, k in preemption.points(micro(list(range(n_local)))):
                 old, t = policy_step(clips, b, order[b, k]), order[b, k]
+                if stand_in:  # no finite clip in b: the forward only joins FSDP's collectives
+                    continue
                 stats.drifted((old.logp - clips['logps'][b, t]).abs())
                 clips['logps'][b, t], clips['means'][b, t] = old.logp, old.mean
         count_passes(run.passes, ('old',), device)
@@ -310,9 +317,11 @@ def update(clips, batch, steps, s_t):
         # FSDP reduce-scatters after every backward, so gradients stay sharded (accumulating
         # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
         bar = tqdm(micro(chunk), 'update', disable=not master, leave=False)
-        for b, j in preemption.points(bar):  # a stop drops these gradients: no step yet
+        for b, stand_in, j in preemption.points(bar):  # a stop drops these gradients: no step yet
             loss, terms = step_loss(clips, b, order[b, j], s_t, controller.value, denom)
             loss.backward()
+            if stand_in:  # no finite clip in b: zeroed latents at weight 0, a zero gradient that
+                continue  # joins FSDP's collectives (every rank runs every pass); nothing to log
             stats.add(loss, terms)
             kl = kl_pos_weight * terms['kl_pos'] + kl_vel_weight * terms['kl_vel']  # (n,)
             kls.append(kl.mean().item())
@@ -332,10 +341,11 @@ def update(clips, batch, steps, s_t):
             run.opt_steps += 1
             preemption.stepped()  # the weights moved: the iteration runs to its end, then saves
             if kl_update == 'step':  # lambda_KL after each optimizer step, on all ranks' KL
-                controller.update(parallel.mean(sum(kls) / len(kls), device), r1)
+                controller.update(parallel.mean_of(kls, device), r1)
             anchor.maybe_refresh(policy, run.opt_steps)  # every anchor_every steps (moving, dual)
     count_passes(run.passes, ('anchor', 'update'), device)
-    return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group))
+    return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group),
+                nonfinite_clips=finite.count(clips['finite'], device, dp_group))
 
 def gradient_norms(clips, steps, s_t):
     """extras/diagnostics.py's gradient norms of the first sp group's clip 0, 4 more passes."""
@@ -368,10 +378,11 @@ def held_out(it):
         print(alarm.summary(ev))
 
 def checkpoint_or_stop(it):
-    """Checkpoint every save_every iterations, at the end, on a stop request (SIGTERM: every rank
-    asks once an iteration) and at a tripped alarm with hack_stop. True: the run stops here."""
+    """Checkpoint after this start's first iteration, every save_every iterations and save_every_min
+    minutes (rundir.Cadence), at the end, on a stop request (SIGTERM: every rank asks once an
+    iteration) and at a tripped alarm with hack_stop. True: the run stops here."""
     stop, halt = preemption.requested(device), hack_stop and alarm.tripped is not None
-    if (save_every and it % save_every == 0) or it == max_iters or stop or halt:
+    if cadence.due(it) or it == max_iters or stop or halt:  # due() first: a collective on every rank
         run.save()
     if stop and master:
         print(f'preempted: checkpoint of iteration {it} written; the same command continues')
@@ -384,6 +395,7 @@ log = rundir.Log(out_dir, master, wandb_project, config)  # metrics.jsonl, the c
 if run.eval_owed:  # the base model's, or an evaluation a stop cut short
     held_out(run.iter_num)
 policy.train()
+cadence = rundir.Cadence(save_every, save_every_min, device)  # its clock starts here, as every rank's
 while run.iter_num < max_iters:
     it, t0 = run.iter_num, time.time()
     parallel.reset_peak_memory(device)  # the logged peaks are this iteration's

@@ -57,6 +57,8 @@ def init(device, timeout_minutes):
     """(ddp, rank, world, device): the process group (NCCL on GPUs, gloo on CPUs) under torchrun, this
     rank's GPU; every collective waits at most timeout_minutes, then this process stops with one line."""
     if device == 'cuda':  # before CUDA's allocator starts: it reads its settings once
+        global _cuda_was_up
+        _cuda_was_up = torch.cuda.is_initialized()
         expandable_segments()
     if device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('no CUDA device: run with --device=cpu (the toy world: python train.py config/toy.py)')
@@ -75,13 +77,34 @@ def init(device, timeout_minutes):
 
 
 def expandable_segments():
-    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set an allocator config (this
-    variable or torch's newer PYTORCH_ALLOC_CONF): the caching allocator grows a segment instead of
-    keeping blocks of every size it met, so memory freed by one phase (a rollout's batch of 8 forwards)
-    fits the next (the update's backward) instead of staying reserved in blocks of the wrong size.
-    Only a process that has not started CUDA yet reads it; one that has keeps its allocator as it is."""
+    """expandable_segments:True for the CUDA caching allocator unless the user set an allocator config
+    (PYTORCH_CUDA_ALLOC_CONF or torch's newer PYTORCH_ALLOC_CONF): it grows a segment instead of keeping
+    blocks of every size it met, so memory freed by one phase (a rollout's batch of 8 forwards) fits the
+    next (the update's backward) instead of staying reserved in blocks of the wrong size. Set through
+    torch's own setter, not only the environment: torch parses the variable once, at the first look at
+    its allocator config, and a variable written after that look is never read (an import that asked
+    first would have made it a no-op). The variable is written too, for the processes this one starts.
+    Called before CUDA initialises (init()); allocator_line() says what torch then reports."""
     if 'PYTORCH_CUDA_ALLOC_CONF' not in os.environ and 'PYTORCH_ALLOC_CONF' not in os.environ:
         os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'
+        torch._C._accelerator_setAllocatorSettings('expandable_segments:True')
+
+
+def allocator_line(device):
+    """The start-up log's line: the allocator settings torch reports, whether CUDA had started before
+    they were set, and on a GPU whether the first segment is expandable (torch's memory snapshot)."""
+    if not str(device).startswith('cuda'):
+        return f'allocator: {device}: no CUDA caching allocator (expandable_segments applies on GPUs only)'
+    settings = torch._C._accelerator_getAllocatorSettings() or '(torch defaults)'
+    probe = torch.empty(1, device=device)  # a segment, to read back how the allocator made it
+    segments = torch.cuda.memory_snapshot()
+    expandable = any(s.get('is_expandable') for s in segments) if segments else None
+    del probe
+    return (f'allocator: {settings}, set before CUDA started: {not _cuda_was_up}; backend '
+            f'{torch.cuda.memory.get_allocator_backend()}; first segment expandable: {expandable}')
+
+
+_cuda_was_up = False  # init(): CUDA had initialised before the allocator setting (too late for it)
 
 
 def _store(timeout):
@@ -310,6 +333,15 @@ def mean(x, device):
     t = torch.tensor([float(x)], device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+def mean_of(values, device):
+    """The mean of all ranks' floats `values` (a list each, of any length: a rank may have none) over
+    their total count (every rank gets the same number; nan where no rank has one)."""
+    t = torch.tensor([float(sum(values)), float(len(values))], device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t[0].item() / t[1].item() if t[1] > 0 else float('nan')
 
 
 def peak_memory(device):

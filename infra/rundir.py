@@ -30,6 +30,7 @@ import os
 import socket
 import time
 
+import torch
 import torch.distributed as dist
 
 from infra import checkpoint
@@ -46,7 +47,7 @@ LOG = 'metrics.jsonl'
 SAFE = frozenset((
     'out_dir', 'init_from', 'max_iters',
     'eval_every', 'eval_samples', 'eval_videos', 'eval_steps', 'eval_prompts', 'eval_metrics',
-    'clip_dir', 'pickscore_dir', 'save_every', 'keep_checkpoints', 'export_dtype', 'diag_every',
+    'clip_dir', 'pickscore_dir', 'save_every', 'save_every_min', 'keep_checkpoints', 'export_dtype', 'diag_every',
     'wandb_project',
     'rollout_batch', 'train_batch', 'gradient_checkpointing', 'attention', 'attention_backend', 'device',
     'sp_size', 'dist_timeout', 'shard_size', 'solo_timeout',
@@ -277,3 +278,33 @@ class Run:
         path = os.path.join(self.out_dir, f'{checkpoint.PREFIX}{self.iter_num:06d}')
         return checkpoint.save(path, self.model, self.optimizers, self.anchor.state_dict(), loop,
                                self.keep)
+
+
+class Cadence:
+    """When the loop checkpoints, besides the end and a stop: after this start's first iteration (the
+    storage path proven at once, not after hours), every `every` iterations of the run, and once
+    `minutes` of wall-clock time have passed since this start or its last checkpoint (0: by count
+    only), so a crash costs at most about `minutes` whatever an iteration takes. due(it) is a
+    collective where minutes > 0: the ranks' elapsed times are reduced to their maximum, so every
+    rank decides the same (each reads its own clock; a rank that saves alone would wait forever in
+    the save's collectives). A due checkpoint starts the clock again (the save's own time counts in
+    the next interval)."""
+
+    def __init__(self, every, minutes, device, clock=None):
+        self.every, self.minutes, self.device = every, minutes, device
+        self.clock = clock or time.time
+        self.last, self.first = self.clock(), True
+
+    def due(self, it):
+        """Whether the checkpoint of iteration `it` (just finished) is due by count or by time."""
+        first, self.first = self.first, False
+        due = first or bool(self.every and it % self.every == 0)
+        if self.minutes > 0:  # every rank enters the reduction, whatever its count says
+            elapsed = torch.tensor([self.clock() - self.last], dtype=torch.float64, device=self.device)
+            if dist.is_initialized():
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            due = due or elapsed.item() >= 60 * self.minutes
+        if due:
+            self.last = self.clock()
+        return due
+

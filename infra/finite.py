@@ -1,0 +1,56 @@
+"""
+A clip whose rollout went non-finite (a NaN or inf latent or log-prob: a bf16 overflow) leaves the
+update, instead of throwing away every rank's optimizer step. Masking its loss is not enough: the
+update's forward of a NaN x_t is NaN, and the backward multiplies the mask's zero by it (0 * NaN = NaN)
+into every weight's gradient. So such a clip is
+- scored NaN in every reward output (it leaves its group's mean and std as a NaN reward does, and the
+  loss's global normalisation counts only the valid clips);
+- removed from the update's micro-batches; a micro-batch left with none of its clips (a rank whose
+  clips all went non-finite) still runs its forward and backward, on the clips' latents set to 0
+  (finite) at weight 0 (invalid: train.step_loss's where()), because FSDP's all-gathers and
+  reduce-scatters need every rank in every pass; its gradient is exactly 0 and nothing of it is logged;
+- counted in the log (nonfinite_clips, all ranks').
+
+    clips['finite'] = finite.mark(clips, scores)  # score(): [bool] a clip; the bad ones scored NaN, zeroed
+    b, stand_in = finite.part(b, clips['finite'])  # update(): the micro-batch's finite clips, or a stand-in
+    finite.count(clips['finite'], device, dp_group)  # the log's nonfinite_clips
+
+Tested by: python -m pytest tests/test_launch_second.py (one NaN clip among four: the step is taken
+and the gradient is that of the three others, computed apart; 2 ranks, one of them all NaN)
+"""
+import torch
+
+from infra import parallel
+
+ROLLOUT = ('xs', 'logps')  # what a rollout keeps that must be finite (a NaN mean reaches x_{t+1})
+ZEROED = ('xs', 'means', 'logps')  # a removed clip's stand-in: finite, never trained (valid 0)
+
+
+def mark(clips, scores):
+    """[bool] a local clip, whether its rollout is finite; a clip that is not gets NaN in every
+    per-clip score (n,) and 0 in its latents, means and log-probs (in place)."""
+    finite = torch.stack([torch.isfinite(clips[k].flatten(1)).all(1) for k in ROLLOUT]).all(0)  # (n,)
+    flags = finite.tolist()  # one host sync an iteration
+    if all(flags):
+        return flags
+    bad = ~finite
+    for k in ZEROED:
+        if k in clips:
+            clips[k][bad.to(clips[k].device)] = 0
+    for k, v in scores.items():
+        if torch.is_tensor(v) and v.dim() == 1 and v.is_floating_point():
+            scores[k] = torch.where(bad.to(v.device), float('nan'), v)
+    return flags
+
+
+def part(b, finite):
+    """(the finite clips of micro-batch b, False), or (b, True) when none is: a stand-in pass."""
+    kept = [i for i in b if finite[i]]
+    return (kept, False) if kept else (b, True)
+
+
+def count(finite, device, dp_group=None):
+    """Non-finite clips of the iteration over all data-parallel ranks (an sp group's ranks share
+    theirs); collective."""
+    n = torch.tensor([[float(len(finite) - sum(finite))]], device=device)
+    return int(parallel.gather(n, dp_group).sum().item())
