@@ -243,7 +243,8 @@ def backward(net, context, state, fork, traj, keep, objective, grad_steps=2, for
     for g in range(len(s)):
         if d[g] != 0:  # a gated prompt (mechanism_1) costs no replay
             (d[g] * tve(net, context, state, fork, traj['x'][g], traj['x0'][g], keep, grad_steps, form,
-                        checkpoint=checkpoint, route=None if routes is None else routes[g], **_written(traj))).backward()
+                        checkpoint=checkpoint, route=None if routes is None else routes[g],
+                        **_written(traj))).backward()
     return total.detach(), stats
 
 

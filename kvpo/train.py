@@ -1,11 +1,11 @@
 """
 KVPO's loop (kvpo/kvpo.py, docs/kvpo.md) on a streaming video model (models/streaming.py): per rank one
-prompt an iteration (as released), its K routed branches and the anchor rolled out by the old policy,
+video an iteration (as released), its K routed branches and the anchor rolled out by the old policy,
 scored, their advantages against the anchor, the TVE softmax policy updated by one AdamW step.
 
     python -m kvpo.train kvpo/config/toy.py                            # the AR toy, CPU, minutes
     torchrun --nproc_per_node=2 -m kvpo.train kvpo/config/toy.py       # 2 gloo ranks, the same run
-    torchrun --nproc_per_node=8 -m kvpo.train kvpo/config/longlive.py  # LongLive 1.3B, one prompt a GPU
+    torchrun --nproc_per_node=8 -m kvpo.train kvpo/config/longlive.py  # LongLive 1.3B, one video a GPU
 
 What the defaults make of the objective: the rollout is the old policy's, synced to the current one every
 `old_every` (2) iterations, so the ratio is 1 and the clip inert at the first iteration after a sync and
@@ -16,8 +16,9 @@ A video switches prompt at `switch_frames` (kvpo/segments.py: the text keys repl
 clip a segment); the update's learning rate follows diffusers' constant_with_warmup over steps of old_every
 rollouts (kvpo/optim.py, lr 0 in the first). Where this differs from the released code: VideoAlign's
 VQ/MQ/TA are the reward components (the released default is HPSv3, not ported); routing reads the planned
-frames (`release_reads` reproduces the release's reads); docs/kvpo.md section 2 lists the rest. The held-out evaluation is train.py's (models/evaluate.py: the family's
-generate, block by block; the alarm) on the EMA weights. A SIGTERM stops at the next prompt's rollout or
+frames (`release_reads` reproduces the release's reads); docs/kvpo.md section 2 lists the rest. The
+held-out evaluation is train.py's (models/evaluate.py: the family's generate, block by block; the alarm)
+on the EMA weights. A SIGTERM stops at the next prompt's rollout or
 replay (infra/preemption.py) and saves the last finished iteration.
 Tested by: python -m pytest tests/test_kvpo_train.py
 """
@@ -72,12 +73,12 @@ gate = 'mechanism_2'            # unsafe prompt: 'mechanism_2' anchor slot (loss
 old_every = 2                   # iterations between syncs of the old (rollout) policy
 learning_rate = 1e-5            # AdamW, constant after the warm-up
 warmup = 5                      # steps of linear learning-rate warm-up
-lr_schedule = 'constant_with_warmup'  # diffusers' (lr 0 at the first step), a step per old_every rollouts | 'per_rollout'
+lr_schedule = 'constant_with_warmup'  # diffusers' (lr 0 first), a step per old_every rollouts | 'per_rollout'
 weight_decay = 0.01
 grad_clip = 1.0                 # global gradient-norm clip
 ema_decay = 0.999               # the evaluated weights: an exponential average of the trained ones
 max_iters = 3000                # iterations: rollouts, one optimizer step each (released: 1500 steps of old_every)
-prompts_per_iter = 8            # prompts an iteration over all ranks (released: one a GPU)
+prompts_per_iter = 8            # videos an iteration over all ranks, a prompt a segment (released: one a GPU)
 # ----------------------------------------------------------------------------- model, data, plumbing
 model = 'weights/LongLive'      # a streaming model directory (python -m models.wan_causal)
 lora_rank = 256                 # LoRA rank (alpha = rank) on the generator; 0: full fine-tuning
@@ -209,7 +210,7 @@ def update(groups, it):
     for g in preemption.points(groups):  # a stop here drops these gradients: the weights have not moved
         args = (g['ctx'], g['state'], g['plan']['fork'])
         routes = [kvpo.router(g['plan']['fork'], o, layout, m_nearest, perturb_blocks, cache_frames, release_reads)
-                  for o in g['plan']['older']] if replay_routed else None  # None: the replay's routing is off, as released
+                  for o in g['plan']['older']] if replay_routed else None  # None: the replay's routing off, as released
         with torch.no_grad(), optim.precision(device, train_dtype):
             s_old, s_init = (kvpo.scores(net, *args, g['traj'], cache_frames, 0, score_form, routes=routes)
                              for net in (old, init))

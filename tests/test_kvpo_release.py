@@ -250,7 +250,8 @@ def test_bf16_training_rounds_away_small_steps(lora_model):
             p.grad = torch.ones_like(p)
         opt.step()  # Adam's first step: each weight moves by lr (m / sqrt(v) = 1)
         assert all(s.dtype == getattr(torch, dtype) for st in opt.state.values() for s in (st['exp_avg'],))
-        w, b = torch.cat([p.detach().float().flatten() for p in trained]), torch.cat([p.float().flatten() for p in before])
+        w = torch.cat([p.detach().float().flatten() for p in trained])
+        b = torch.cat([p.float().flatten() for p in before])
         big = b.abs() >= 2 ** -6  # a bf16 ulp there is >= 2^-13 = 1.2e-4: a step of 1e-5 rounds back
         if dtype == 'bfloat16':
             assert torch.equal(w[big], b[big]) and big.sum() > 1000
@@ -267,7 +268,8 @@ def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, 'argv', [
         'kvpo.train', 'kvpo/config/toy.py', '--prompts_per_iter=2', '--group=3', '--max_iters=1', '--eval_every=1',
         '--save_every=0', f'--out_dir={out}', f'--eval_prompts={held}', '--tve_span=chunk', '--switch_frames=(6,)',
-        '--context_noise=0.005', '--lr_schedule=constant_with_warmup', '--train_dtype=bfloat16', '--release_reads=True'])
+        '--context_noise=0.005', '--lr_schedule=constant_with_warmup', '--train_dtype=bfloat16',
+        '--release_reads=True'])
     g = runpy.run_module('kvpo.train', run_name='__main__')
     rows = metrics(out)
     (row,) = [r for r in rows if 'loss' in r]
