@@ -13,7 +13,7 @@ learning-rate schedule, each as released with the alternative the toy uses.
       first window trains at lr 0; 'per_rollout': lr x min(1, (it + 1) / warmup)
 
 Where this differs from the released code: nothing in what trains; in bf16 an AdamW step of lr 1e-5
-rounds away on every weight above ~2e-3 in magnitude (bf16 keeps 8 bits), as it does in the release.
+rounds away on every weight above ~4e-3 in magnitude (bf16 keeps 8 bits), as it does in the release.
 Tested by: python -m pytest tests/test_kvpo_release.py
 """
 import torch
