@@ -16,6 +16,8 @@ something written here. python -m pytest tests/test_kvpo_edges.py
 - grpo_ar's loss divides by the valid clips of all ranks (a sum): with a second rank faked by its count
   (parallel.mean of this rank's and another's), this rank's gradient is the one-process gradient of its
   clips times mine / (mine + other), an empty second rank included (an average would double it).
+- the prompts: each rank's share of one seeded draw (the shares make up one process's list), the same for
+  kvpo.train and kvpo.grpo_ar.
 kvpo.train and kvpo.grpo_ar are set up once each (runpy, max_iters=0, the committed toy) and their phase
 functions called here; every test starts from the same weights and a fresh optimizer.
 """
@@ -160,6 +162,7 @@ def kt(tmp_path_factory):
                                    *(G[k] for k in ('chunk_first', 'chunk_then', 'within_chunks')))
     picks = [(it, j, p) for it in range(4) for j, p in G['my_prompts'](it)
              if len({tuple(o) for o in plan(it, j)['older']}) == G['group']]
+    assert len(picks) >= 2, picks
     groups = [G['rollout'](*pick) for pick in picks[:2]]
     for g, adv in zip(groups, ([1.0, -1.0, 0.5], [-0.3, 0.8, -1.2])):
         g['adv'], g['safe'] = torch.tensor(adv), True
@@ -374,3 +377,28 @@ def test_grpo_ar_two_identical_ranks_equal_one_process(ga, monkeypatch):
         mp.setitem(G, 'world', 2)
         G['update'](groups, 0, train, s_t)
     assert one.norm() > 0 and (flat_grads(params) - one).norm() < 1e-6 * one.norm()
+
+
+def test_prompts_split_over_ranks_and_shared_by_both_methods(kt, ga, monkeypatch):
+    # a seeded draw of prompts_per_iter prompts over all ranks: the ranks' shares are disjoint and make up
+    # one process's list; kvpo.grpo_ar draws the same prompts as kvpo.train (bench/kvpo_verdicts pairs them)
+    K, A = kt[0], ga[0]
+    for G in (K, A):
+        monkeypatch.setitem(G, 'prompts_per_iter', 4)
+        monkeypatch.setitem(G, 'train_list', [f'prompt {i}' for i in range(10)])
+    drawn = set()
+    for it in range(3):
+        monkeypatch.setitem(K, 'rank', 0)
+        monkeypatch.setitem(K, 'world', 1)
+        alone = K['my_prompts'](it)
+        drawn |= {p[0] for _, p in alone}
+        assert [j for j, _ in alone] == [0, 1, 2, 3] and all(len(p) == 1 for _, p in alone)
+        assert [(j, [p]) for j, p in A['my_prompts'](it)] == alone  # the toy's videos: one prompt segment each
+        for world in (2, 4):
+            shares = []
+            for rank in range(world):
+                monkeypatch.setitem(K, 'rank', rank)
+                monkeypatch.setitem(K, 'world', world)
+                shares += K['my_prompts'](it)
+            assert sorted(shares) == alone
+    assert len(drawn) > 4  # the iterations draw differently
