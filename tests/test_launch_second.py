@@ -56,13 +56,21 @@ def nan_rollouts(monkeypatch, bad, seen=None):
 
 def test_a_nan_clip_leaves_the_update_and_the_others_train(tmp_path, monkeypatch):
     """4 clips of one prompt (G=4), clip 2's rollout NaN from step 2: the iteration takes its optimizer
-    step, logs nonfinite_clips 1, and the gradient it steps with is, to float rounding, that of the
+    step, logs nonfinite_clips 1, runs no forward of clip 2 (its micro-batch [2, 3] runs as [3]), and
+    the gradient it steps with is, to float rounding, that of the
     other three clips alone: sum over their trained steps of -A_i d logp_i / (3 valid x 4 steps), with
     A the group advantages of the three finite rewards (population std) and logp the mean Gaussian
     log-density of the rollout's x_{t+1} (torch.distributions) at the policy's SDE mean and std.
     KL off, equalizer off, every step trained: the objective is that sum alone."""
-    seen, grads, scored, built = [], {}, [], {}
+    seen, grads, scored, built, passes = [], {}, [], {}, []
     nan_rollouts(monkeypatch, [2], seen)
+    inner = model.velocity
+
+    def counted(net, x, *a, **kw):  # the clips of each forward with grad: the update's
+        if torch.is_grad_enabled() and not built.get('done'):
+            passes.append(x.shape[0])
+        return inner(net, x, *a, **kw)
+    monkeypatch.setattr(model, 'velocity', counted)
     build, clip = optim.build, optim.clip_grad_norm
 
     def record_build(policy, *a, **kw):  # the policy as loaded, before any step
@@ -81,9 +89,12 @@ def test_a_nan_clip_leaves_the_update_and_the_others_train(tmp_path, monkeypatch
     run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=1', '--diag_every=0', '--prompts_per_iter=1',
                                    '--group_size=4', '--timestep_fraction=1.0', '--kl_strategy=none',
                                    '--equalizer=False', '--export_dtype='])
+    built['done'] = True
     (row,) = [r for r in metrics(out) if 'reward' in r]
     assert row['skipped_steps'] == 0 and row['nonfinite_clips'] == 1 and row['nan_rewards'] == 1, row
     assert grads and all(torch.isfinite(g).all() for g in grads.values())
+    # removed, not masked: train_batch 2, 4 steps: [0, 1] and [3] at each step (clip 2 was [2, 3]'s)
+    assert sorted(passes) == [1] * 4 + [2] * 4, passes
 
     # the reference: the three finite clips alone, from the policy as loaded
     (r,) = [s for s in scored if torch.isnan(s['TA']).any()]  # the rollout's scoring (not the evaluation's)
