@@ -157,13 +157,10 @@ def kt(tmp_path_factory):
     start = {n: p.detach().clone() for n, p in G['trained']}
     # two prompts whose branches differ (at fork 4 the toy's pool is the window itself: 3 equal branches,
     # whose softmax no weight moves), rolled out by the initial (old) policy
-    plan = lambda it, j: kvpo.plan(*(G[k] for k in ('frames', 'layout', 'group', 'm_nearest', 'perturb_blocks',  # noqa
-                                                   'cache_frames')), G['seed_of'](G['seed'], 'rollout', it, j) % 2 ** 31,
-                                   *(G[k] for k in ('chunk_first', 'chunk_then', 'within_chunks')))
-    picks = [(it, j, p) for it in range(4) for j, p in G['my_prompts'](it)
-             if len({tuple(o) for o in plan(it, j)['older']}) == G['group']]
-    assert len(picks) >= 2, picks
-    groups = [G['rollout'](*pick) for pick in picks[:2]]
+    rollouts = (G['rollout'](it, j, p) for it in range(4) for j, p in G['my_prompts'](it))
+    groups = [g for g, _ in zip((g for g in rollouts if len({tuple(o) for o in g['plan']['older']}) == G['group']),
+                                range(2))]
+    assert len(groups) == 2
     for g, adv in zip(groups, ([1.0, -1.0, 0.5], [-0.3, 0.8, -1.2])):
         g['adv'], g['safe'] = torch.tensor(adv), True
     return G, start, groups
