@@ -11,8 +11,10 @@ scores:
     A = each component standardised in its group    component_advantages: 'per_component', 'taros'
     g = d r / d frames                              score_and_grad (extras/credit.py's TVRL credit)
 
-    reward_fn, manifold_distance = load('videoalign', videoalign_dir, qwen_dir, 'cuda')  # train.py
-    r = combine(reward_fn(frames, prompts, fps), reward_weights)                        # (B,)
+    reward_fn, manifold_distance = load_reward('videoalign', videoalign_dir, qwen_dir, 'cuda')  # train.py
+    r = combine(reward_fn(frames, prompts, fps), reward_weights)                               # (B,)
+
+The reward models are models: load_reward (models/videoalign.py) gives VideoAlign or the family's own.
 
 Where this differs from the paper and the released code: a clip the reward cannot score (NaN, or a
 non-finite frame: FiniteFrames) leaves its group's mean and std and the update, where the released
@@ -21,8 +23,6 @@ loop scored it 0 (docs/method.md 6.2.5); 'taros' is our reading of an abstract, 
 Tested by: python -m pytest tests/test_reward.py tests/test_advantage.py
 """
 import torch
-
-from models.videoalign import load_videoalign
 
 DIMS = ("VQ", "MQ", "TA")  # the components a reward returns, in the order of the weights
 SETTING_A = (1.0, 1.0, 1.0)  # (w_vq, w_mq, w_ta): equal weights, VideoAlign's Overall
@@ -122,22 +122,6 @@ def component_advantages(c, weights, kind, clip=5.0, eps=1e-6):
     ok = valid & (valid.sum(1, keepdim=True) >= 2)
     scale = a[ok].std(unbiased=False) if ok.sum() > 1 else a.new_ones(())
     return torch.where(ok, a / scale.clamp(min=eps), 0.0).clamp(-clip, clip), valid
-
-
-def load(kind, videoalign_dir, qwen_dir, device, world=(None, None), family=None):
-    """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', frozen (no manifold
-    distance: None), or 'world': `world`, the model family's own exact reward and manifold distance
-    (the toy's; models/__init__.py OPTIONAL; or those of the family module `family`), which a
-    real model does not have. Either reward_fn scores a clip with a non-finite frame NaN
-    (FiniteFrames)."""
-    if family is not None:
-        world = getattr(family, 'reward', None), getattr(family, 'manifold_distance', None)
-    if kind == "world":
-        if world[0] is None:
-            raise SystemExit("reward_model='world': this model has no reward of its own; "
-                             "use reward_model='videoalign'")
-        return FiniteFrames(world[0]), world[1]
-    return FiniteFrames(load_videoalign(videoalign_dir, qwen_dir, device)), None
 
 
 class FiniteFrames:

@@ -18,9 +18,8 @@ DEFAULTS). Writes out_dir/<name>_<i>.mp4 (base, aligned; clip i: prompt i % P), 
 toy's exact reward and manifold distance, or VideoAlign's; --eval_metrics adds CLIPScore,
 PickScore), mean over the clips, printed above train.py's held-out evaluation (its metrics.jsonl;
 iteration 0: the base) and what got better and worse, each watcher judged by the way the alarm
-calls wrong (models/evaluate.py WRONG).
+calls wrong (models/evaluate.py WRONG). The sheet and the table are drawn by models/compare.py.
 """
-import json
 import os
 
 import torch
@@ -31,11 +30,11 @@ from extras import metrics
 from infra import checkpoint as checkpoint_lib
 from infra.configurator import configure, list_of, number, one_of, prompt_or_file
 from infra.versions import check as check_versions
-from models import attention as attention_lib, family
-from models.evaluate import WRONG, watched
+from models import attention as attention_lib, compare, family
+from models.evaluate import watched
 from models.policy import encode_prompts, generators, guided_text, latent_shape, load_decoder, \
     load_policy, noise, sample, save_mp4
-from models.videoalign import load_videoalign
+from models.videoalign import load_reward
 
 # ----------------------------------------------------------------------------- settings
 model = 'assets/toy'            # the base model: a diffusers directory, or the toy world's
@@ -103,7 +102,7 @@ else:
 
 decode = load_decoder(model, device)
 shape = latent_shape(model, num_frames, height, width)
-rows = []
+clips = []  # (B, F, 3, H, W) a model, as decoded: the sheet shows, the table scores these
 for name, ckpt, path in models:
     fam_m = family(path)  # a beside model samples with its own family's steps, shift and guidance
     own = fam_m.DEFAULTS if path != model else dict(sample_steps=num_steps, shift=shift, cfg=cfg)
@@ -125,39 +124,13 @@ for name, ckpt, path in models:
     frames = decode(x)                                         # (B, F, 3, H, W) in [0, 1]
     for i, clip in enumerate(frames):
         save_mp4(clip, os.path.join(out_dir, f'{name}_{i}.mp4'), fps)
-    rows.append(frames)
+    clips.append(frames)
     print(f'{name}: {len(clip_prompts)} videos in {out_dir}/ ({ckpt or path})')
     del policy
 
-# contact sheet: per prompt (its first seed) a title line, then a row of frames per model (base
-# above aligned) named at the left; 2-pixel gaps; small frames (the toy's 24x24) enlarged by an
-# integer factor
-zoom = max(1, 96 // rows[0].shape[-2])
-clips = rows  # (B, F, 3, H, W) per model, as decoded: the metrics table scores these
-# seed 0 of each prompt
-rows = [f[:len(prompt_list)].repeat_interleave(zoom, -2).repeat_interleave(zoom, -1) for f in rows]
-B, F, _, H, W = rows[0].shape
-gap, label_w, title_h = 2, 64, 14  # pixels: between frames, the row-name column, the prompt line
-block = title_h + len(rows) * (H + gap)  # one prompt
-sheet = torch.ones(3, B * block, label_w + F * (W + gap))
-for i in range(B):
-    for m, frames in enumerate(rows):
-        y = i * block + title_h + m * (H + gap)
-        for f in range(F):
-            x = label_w + f * (W + gap)
-            sheet[:, y:y + H, x:x + W] = frames[i, f].cpu()
-png = (sheet.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-from PIL import Image, ImageDraw  # pillow comes with matplotlib and imageio
-img = Image.fromarray(png)
-draw = ImageDraw.Draw(img)
-for i, p in enumerate(prompt_list):
-    # ~6 px a character
-    draw.text((2, i * block + 1), f'{i}: {p}'[:(label_w + F * (W + gap)) // 6], fill=(0, 0, 0))
-    for m, (name, *_) in enumerate(models):
-        draw.text((2, i * block + title_h + m * (H + gap) + H // 2 - 5), name, fill=(0, 0, 0))
-img.save(os.path.join(out_dir, 'contact_sheet.png'))
-print(f'contact sheet: {out_dir}/contact_sheet.png '
-      f'(per prompt: its text, then {" above ".join(n for n, *_ in models)})')
+names = [name for name, *_ in models]
+compare.contact_sheet(clips, names, prompt_list, os.path.join(out_dir, 'contact_sheet.png'))
+print(f'contact sheet: {out_dir}/contact_sheet.png (per prompt: its text, then {" above ".join(names)})')
 
 # ----------------------------------------------------------------------------- metrics table
 # the clips above scored by the reward (the model's own exact one, the toy's; or VideoAlign) and the
@@ -165,10 +138,8 @@ print(f'contact sheet: {out_dir}/contact_sheet.png '
 # CLIPScore falls)
 if metrics_table:
     try:
-        if hasattr(fam, 'reward'):
-            reward_fn, manifold_distance = fam.reward, fam.manifold_distance
-        else:
-            reward_fn, manifold_distance = load_videoalign(videoalign_dir, qwen_dir, device), None
+        reward_fn, manifold_distance = load_reward('world' if hasattr(fam, 'reward') else 'videoalign',
+                                                   videoalign_dir, qwen_dir, device, family=fam)
         visual = metrics.load_metrics(eval_metrics, clip_dir, pickscore_dir, device)
     except (OSError, ValueError) as e:  # the videos and the sheet are written: say what is missing
         print(f'no metrics table: {e}')
@@ -176,42 +147,11 @@ if metrics_table:
     run = checkpoint_lib.read_loop(models[-1][1])['config'] if models[-1][1] else {}
     weights = tuple(run.get('reward_weights', SETTING_B))  # no checkpoint: Setting B, train.py's
     table, composite = {}, {}
-    for (name, *_), frames in zip(models, clips if reward_fn else []):  # frames (B, F, 3, H, W)
+    for name, frames in zip(names, clips if reward_fn else []):  # frames (B, F, 3, H, W)
         # what the held-out evaluation scores, the composite at the run's (VQ, MQ, TA) weights
         sc = watched(frames, clip_prompts, fps, reward_fn, weights, manifold_distance, visual)
-        # the mean over the clips; and the composite per clip (B,), for the spread below
+        # the mean over the clips; and the composite per clip (B,), for the paired spread
         table[name] = {k: torch.as_tensor(v).float().nanmean().item() for k, v in sc.items()}
         composite[name] = torch.as_tensor(sc['composite']).float()
-    if table:
-        keys = list(table['base'])
-        line = lambda label, get: print(f'{label:<10}' + ''.join(f'{get(k):>10.4f}' for k in keys))
-        print(f'metrics, mean over {len(prompt_list)} prompts x {samples} seeds:\n'
-              + ''.join(f'{k:>10}' for k in [''] + keys))
-        for name, row in table.items():
-            line(name, row.get)
-        with open(os.path.join(out_dir, 'metrics.json'), 'w') as f:
-            json.dump(table, f, indent=1)
-        # below: train.py's evaluations in its out_dir, the first (the base) and the checkpoint's
-        ckpt = models[-1][1]
-        log = os.path.join(os.path.dirname(ckpt or '.'), 'metrics.jsonl')
-        last = checkpoint_lib.read_loop(ckpt)['iter_num'] if ckpt else None
-        evals = [r for r in map(json.loads, open(log).read().splitlines())
-                 if 'eval_composite' in r and r['iter'] <= last] \
-            if ckpt and os.path.isfile(log) else []
-        if len(evals) > 1:
-            print(f"train.py's held-out evaluation ({log}):")
-            for r in (evals[0], evals[-1]):
-                line(f'iter {r["iter"]}', lambda k: r.get('eval_' + k, float('nan')))
-        if 'aligned' in table:
-            # each metric judged as the alarm judges it (models/evaluate.py WRONG: -1 falling is
-            # wrong, a score's default; +1 rising, the manifold distance's; 0 either way, say
-            # brightness): wrong > 0 moved its wrong way, < 0 its right way; a two-way one is never
-            # better
-            d = {k: table['aligned'][k] - table['base'][k] for k in keys}
-            wrong = {k: d[k] * WRONG.get(k, -1) if WRONG.get(k, -1) else abs(d[k]) for k in keys}
-            on = lambda sign: ', '.join(f'{k} {d[k]:+.4f}' for k in keys if wrong[k] * sign > 0)
-            # the composite's spread over the clips, paired (same prompt and seed) base vs aligned
-            se = (composite['aligned'] - composite['base']).std().item() / len(clip_prompts) ** 0.5
-            print(f'aligned vs base: better on {on(-1) or "nothing"}; '
-                  f'worse on {on(+1) or "nothing"}; the composite\'s standard error over these '
-                  f'{len(clip_prompts)} paired clips: {se:.4f}')
+    if table:  # printed, with train.py's held-out evaluations below and what got better and worse
+        compare.report(table, composite, prompt_list, samples, out_dir, models[-1][1])

@@ -1,35 +1,32 @@
 """
 The samplers: one step of the rectified-flow reverse process, deterministic (ODE) or stochastic
-(DanceGRPO, FlowGRPO, SAGE-GRPO, CPS), with the log-probability of the transition for GRPO; and the
-rollout that takes those steps from noise to data, keeping what training needs (sample).
+(DanceGRPO, FlowGRPO, SAGE-GRPO, CPS), with the log-probability of the transition for GRPO. The
+loop that takes these steps from noise to data is the policy's sampler (models/policy.py sample).
 
     x_s = (1 - s) x0 + s noise,  v = noise - x0,  noise_hat = x + (1 - s) v,  score = -noise_hat / s
     dance/flow/sage:  mean = x + dt v + 0.5 Sigma score,      x_next = mean + sqrt(Sigma) z
     cps:              mean = (1-s') x0_hat + sqrt(s'^2 - std^2) noise_hat,   x_next = mean + std z
 Both are written below as  mean = x + dt v - c * noise_hat,  with c = 0.5 Sigma / s for the SDEs
 and c = s' - sqrt(s'^2 - std^2) for CPS (expand CPS's mean to see it), so c = 0 is the Euler step.
+A new sampler is a name in KINDS, its Sigma in variance(), its c in correction() and its
+d mean / d v in equalizer.sensitivity().
 
 Sigma is the noise variance of one step (docs/method.md section 2):
     dance  eta^2 d            flow  eta^2 s/(1-s) d  (1-s at s=1 taken at s_1)
-    sage   eta^2 int_{s'}^{s} u/(1-u) du  (exact, the singularity at u=1 clamped at 1-3e-3)
+    sage   eta^2 int_{s'}^{s} u/(1-u) du, exact on every step but the first: that one starts at u = 1,
+           where the integral diverges, so its Sigma is set by the clamp of the upper end at 1-3e-3
+           (std 0.56 on the reference schedule; 0.76 with 1e-3), and it is the step with the largest S_t
     cps    std^2 = (s' sin(eta pi/2))^2
 
-Where this differs from the paper and why:
-- sage on fine schedules: the paper's formula -d + log((1-s')/(1-min(s, 1-eps))) goes negative for a
-  step lying (almost) entirely above the clamp (e.g. the first two steps of a 200-step schedule).
-  We floor it at 0, so such a step is an ODE step (no noise, no log-prob, not trained); see
-  variance().
-- cps: the log-prob is the true Gaussian density (the CPS reference code drops the constants and
-  the 1/(2 std^2) factor), the same density as every other kind.
+Where this differs from the paper (each argued once in docs/method.md 6.2):
+- sage on fine schedules: a step lying (almost) wholly above the clamp would get a negative Sigma;
+  it is floored at 0, an ODE step: no noise, no log-prob, not trained (6.2.9).
+- cps: the true Gaussian density, as for every kind (the reference drops its constants and the
+  1/(2 std^2) factor); its last step (std 0) has no log-probability and is never trained (6.2.8).
 - the mean is always computed in float32 (bf16 latents are upcast); the sample is cast back.
-- optional (not in the paper; TVRL's weighted_logprob): log_prob's per-element weight makes the
-  reduction a weighted mean sum(w logp)/sum(w) (extras/credit.py); weight=None is the mean, bitwise.
-- the last CPS step (s' = 0: std 0, a deterministic step) has no log-probability (logp None) and is
-  never trained; reference implementations return a finite value there (their density with its
-  std-dependent terms dropped or floored) and train that step too.
-- optional (not in the paper; Flow-GRPO-Fast, MixGRPO): window() makes only a window of w
-  consecutive steps stochastic (and trained); the rollout takes ODE steps (kind 'ode') everywhere
-  else.
+- optional, not in the paper: log_prob's per-element weight (TVRL's weighted_logprob,
+  extras/credit.py; weight=None is the mean, bitwise); window(): only w consecutive steps are
+  stochastic and trained, ODE steps elsewhere (Flow-GRPO-Fast, 6.3).
 
 Tested by: python -m pytest tests/test_sde.py (the window: tests/test_compute.py)
 """
@@ -57,8 +54,7 @@ def sigmas(num_steps, shift):
 
 
 def _as_tensor(s):
-    # floats become 0-d float64 tensors so every kind is one tensor formula; the caller converts
-    # back
+    # floats become 0-d float64 tensors so every kind is one tensor formula; the caller converts back
     return s if torch.is_tensor(s) else torch.tensor(float(s), dtype=torch.float64)
 
 
@@ -80,14 +76,9 @@ def variance(kind, s, s_next, eta):
         one_minus = torch.where(s >= 1, 1 - s_next, 1 - s)
         var = eta**2 * s / one_minus * d
     elif kind == 'sage':
-        # the paper's formula, with min() on both ends: the log part integrates 1/(1-u) over
-        # [s', s] ∩ [0, c] while -d still spans the whole step. For s' <= c this is the paper's
-        # formula exactly (and docs/method.md's table); for a step reaching into [c, 1] the log part
-        # loses the piece above c, and a step inside [c, 1] would get -eta^2 d < 0. The floor at 0
-        # keeps it continuous and makes such a step an ODE step: near u = 1 the noise rate
-        # eta^2 u/(1-u) is infinite, any finite choice is arbitrary, and a zero-noise step still
-        # preserves the marginals (the ODE does), whereas capping the rate at c would change that
-        # table.
+        # the paper's formula, the clamp c on both ends: for s' <= c exactly the paper's; a step
+        # reaching above c loses the piece above it; one wholly above c would get -eta^2 d < 0,
+        # floored at 0 (an ODE step: docs/method.md 2.2)
         hi, lo = s.clamp(max=SAGE_CLAMP), s_next.clamp(max=SAGE_CLAMP)
         var = (eta**2 * (-d + torch.log1p((hi - lo) / (1 - hi)))).clamp(min=0)  # log((1-lo)/(1-hi))
     else:  # cps
@@ -102,11 +93,9 @@ def stochastic_steps(kind, sigmas, eta):
 
 
 def window(steps, size, seed):
-    """The steps that are stochastic, and trained, in a rollout with sde_window=size: `size`
-    consecutive entries of `steps` (the schedule's stochastic steps) from a start drawn uniformly
-    from seed (train.py: a function of (seed, iteration), shared by every clip and rank, so a
-    resumed run draws the same); all of `steps` if size is 0 or covers them. Flow-GRPO-Fast's random
-    window, not MixGRPO's sliding one: docs/method.md section 6.3 says why."""
+    """The stochastic, trained steps of a rollout with sde_window=size: `size` consecutive entries of
+    `steps` (the schedule's stochastic ones) from a start drawn uniformly from seed (train.py: one a
+    run and iteration); all of `steps` if size is 0 or covers them (docs/method.md section 6.3)."""
     if not size or size >= len(steps):
         return list(steps)
     gen = torch.Generator().manual_seed(seed % 2 ** 63)
@@ -114,7 +103,7 @@ def window(steps, size, seed):
     return list(steps[start:start + size])
 
 
-def _correction(kind, s, s_next, var):
+def correction(kind, s, s_next, var):
     # c in mean = x + dt v - c noise_hat (float64 tensors in, same out); c = 0 exactly when var = 0
     if kind == 'cps':  # = s' - sqrt(s'^2 - std^2) without cancellation; 0 (not 0/0) when std = 0
         root = torch.sqrt((s_next**2 - var).clamp(min=0))
@@ -145,20 +134,18 @@ def log_prob(x_next, mean, std, weight=None):
 def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noise=None,
          weight=None):
     """One step s -> s_next. x_next=None: sample it (rollout) with z = noise, or drawn from
-    generator. x_next given: score it (training). weight: per-element weight of the log-prob (see
-    log_prob)."""
+    generator. x_next given: score it (training). weight: of the log-prob's elements (log_prob)."""
     B, ndim = x.shape[0], x.dim()
     s64 = _as_tensor(s).double().to(x.device).expand(B)  # (B,) per-sample sigma
     s_next64 = _as_tensor(s_next).double().to(x.device).expand(B)  # (B,)
     var = variance(kind, s64, s_next64, eta)  # (B,) float64
-    c = _correction(kind, s64, s_next64, var)  # (B,)
+    c = correction(kind, s64, s_next64, var)  # (B,)
     bcast = lambda t: t.float().view(B, *[1] * (ndim - 1))  # (B,) -> (B, 1, ...) float32
     # dt rounded once from the exact float64 difference == float32 s' - s, as diffusers computes it
     dt, c_, s_ = bcast(s_next64 - s64), bcast(c), bcast(s64)
     x32, v32 = x.float(), v.float()  # (B, ...) float32: bf16 would lose the small dt * v update
     noise_hat = x32 + (1 - s_) * v32  # (B, ...)
-    # Euler first, then the correction: with c = 0 this is bitwise
-    # FlowMatchEulerDiscreteScheduler.step
+    # Euler first, then the correction: with c = 0 this is bitwise FlowMatchEulerDiscreteScheduler.step
     mean = x32 + dt * v32 - c_ * noise_hat  # (B, ...)
     std = var.sqrt().float()  # (B,)
     stochastic = std > 0  # (B,); the check below is a host sync on GPU (a few bytes)
@@ -173,32 +160,3 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noi
         x_next = (mean.detach() + bcast(std) * z).to(x.dtype)
     # full Gaussian log-density per element, float32, averaged (or credit-weighted) over elements
     return Step(x_next, mean, std, log_prob(x_next, mean, std, weight))
-
-
-def sample(velocity, x, sigmas, kind, eta, generators, keep=False, window=None, boundary=None):
-    """The rollout: integrate x (B, ...) from sigmas[0] down to sigmas[-1] with step() of this kind
-    (at the steps in `window` only, if given: ODE steps elsewhere). velocity(x, s) -> v, s (B,)
-    the sigmas; generators: one per sample, its own noise stream, so a clip's rollout does not
-    depend on how clips are batched. Returns the final latents and, if keep, what training needs of
-    every step: xs (B, N+1, ...), means (B, N, ...), logps (B, N), stds (B, N) (an ODE step: std 0,
-    logp 0; it has no log-probability and is never trained). boundary(): before each forward."""
-    B, N = x.shape[0], len(sigmas) - 1
-    xs, means, logps, stds = [x], [], [], []
-    for i in range(N):
-        if boundary is not None:
-            boundary()
-        v = velocity(x, sigmas[i].expand(B).to(x.device))
-        # z (B, ...) drawn even for an ODE step: every clip's stream stays aligned with its steps
-        z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)
-        st = step(x, v, sigmas[i].item(), sigmas[i + 1].item(), noise=z,
-                  kind=kind if window is None or i in window else 'ode', eta=eta)
-        x = st.x_next
-        if keep:
-            xs.append(x)
-            means.append(st.mean)
-            logps.append(st.logp if st.logp is not None else x.new_zeros(B))
-            stds.append(st.std)
-    if not keep:
-        return x, None
-    return x, dict(xs=torch.stack(xs, 1), means=torch.stack(means, 1), logps=torch.stack(logps, 1),
-                   stds=torch.stack(stds, 1))

@@ -1,13 +1,16 @@
 """
-SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an exact-integral
-SDE, sde.py; a temporal gradient equalizer, equalizer.py) and a dual trust region (trust_region.py).
-What the defaults make of the objective: one optimizer step per rollout batch, so theta == theta_old
-all through the update, the ratio is 1, the PPO clip never acts and the exact velocity KL is 0: the
-objective is REINFORCE weighted by the equalizer's S_t plus lambda_KL times the position KL to a
-moving anchor, and lambda_KL follows the paper's printed rule, which *relaxes* the penalty when the
-KL is high (docs/method.md 4.6, 5.5). Settings: the released defaults but for the released code's
-switches (docs/method.md 6), one node's scale (config/released.py: the released run's); a config
-file or --key=value overrides them. One iteration is the loop at the bottom, its phases above it.
+SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an SDE whose noise
+is its rate integrated over each step, sde.py; a temporal gradient equalizer, equalizer.py) and a
+dual trust region (trust_region.py). What the defaults make of the objective: one optimizer step per
+rollout batch, so theta == theta_old all through the update, the ratio is 1, the PPO clip never acts
+and the exact velocity KL (the policy's transition means vs the rollout policy's) is 0: the objective
+is REINFORCE with each step's term weighted by the equalizer's S_t, plus lambda_KL times the position
+KL (the policy's transition means vs a moving anchor's), and lambda_KL follows the paper's printed
+rule, which *relaxes* the penalty when the KL is high (docs/method.md 4.6, 5.5). The rollout keeps
+each step's latent and log-prob, no means (a setting that reads them keeps them: rollout()).
+Settings: the released defaults but for the released code's switches (docs/method.md 6), one node's
+scale (config/released.py: the released run's); a config file or --key=value overrides them. One
+iteration is the loop at the bottom, its phases above it.
 
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
@@ -34,6 +37,7 @@ from infra.preemption import Preemption
 from infra.versions import check as check_versions
 from models import attention as attention_lib, export, family
 from models.evaluate import Alarm, HeldOut
+from models.videoalign import load_reward
 from models.policy import PASS_KINDS, count_passes, encode_prompts, generators, guided_text, \
     latent_shape, load_decoder, load_policy, noise, sample, seed_of, transformer_config, velocity
 
@@ -168,7 +172,7 @@ kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  #
 if kl_ratio_target > 0 and kl_update != 'step':
     raise SystemExit("config error: kl_ratio_target holds lambda_KL per optimizer step: kl_update='step'")
 decode = load_decoder(model, device)
-reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device,
+reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_dir, device,
                                            family=fam)  # 'world': the family's own (the toy's)
 score_fn = reward_fn if credit == 'none' else tvrl.scorer(  # tvrl: scores and credit maps
     reward_fn, reward_weights, shape, credit_window, credit_granularity)
@@ -203,9 +207,14 @@ def trained_steps(it):
     return steps, s_t.to(device)
 
 def rollout(it, steps):
-    """G clips of each of the iteration's prompts from the current policy, the SDE at `steps`: the
-    latent, mean and log-prob of every step, {'xs' (n, N+1, C, F, h, w), 'means' (n, N, C, F, h, w),
-    'logps' (n, N), 'stds' (n, N)}, and the clips' prompts. Every draw has its own seed."""
+    """G clips of each of the iteration's prompts from the current policy, the SDE at `steps`, and
+    of every step what the update and the log read: the latents 'xs' (n, N+1, C, F, h, w) (the
+    update's x_t and x_{t+1}) and the log-probs 'logps' (n, N) (at the defaults only the log's drift
+    figure: docs/method.md 4.6); the means 'means' (n, N, C, F, h, w) only where updates_per_iter > 1
+    (update recomputes them there) or credit='tvrl', which also needs 'stds' (n, N). And the clips'
+    prompts. Every draw has its own seed."""
+    keep = ('xs', 'logps') + ('means',) * (not on_policy or credit == 'tvrl')  # models/policy.py RECORDS
+    keep += ('stds',) * (credit == 'tvrl')  # tvrl.reweight: the log-probs from the means and stds
     chosen = prompt_cache.choose(len(train_list), prompts_per_iter, seed_of(seed, 'prompts', it))
     prompts, records = [train_list[chosen[i // group_size]] for i in clip_ids], []
     for c in tqdm(range(0, n_local, rollout_batch), 'rollout', disable=not master, leave=False):
@@ -216,7 +225,7 @@ def rollout(it, steps):
              else seed_of(seed, 'noise', p, i % group_size) for p, i in zip(ps, ids)]), device)
         text, text_neg = text_for(ps)
         _, trajectory = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens,
-                               keep=True, window=steps, boundary=preemption.point)
+                               keep=keep, window=steps, boundary=preemption.point)
         records.append(trajectory)
     count_passes(run.passes, ('rollout',), device)
     return dict({k: torch.cat([r[k] for r in records]) for k in records[0]}, prompts=prompts)
@@ -401,12 +410,12 @@ while run.iter_num < max_iters:
     parallel.reset_peak_memory(device)  # the logged peaks are this iteration's
     preemption.begin(run.save, controller, run.passes)  # a stop saves iteration `it`
     steps, s_t = trained_steps(it)                  # the SDE's steps, each trained; S_t (N,)
-    clips = rollout(it, steps)                      # G clips a prompt: each step's x_t, mean, logp
+    clips = rollout(it, steps)                      # G clips a prompt: each step's x_t and logp
     t1 = time.time()
     scores = score(clips, steps)                    # {'VQ', 'MQ', 'TA'}: (n,) each
     t2 = time.time()
     clips['adv'], clips['valid'], batch = advantages(scores)  # within each group; NaN: left out
-    diag = {} if not diag_every or it % diag_every else gradient_norms(clips, steps, s_t)
+    diag = {} if not diag_every or it % diag_every else gradient_norms(clips, steps, s_t)  # off by default
     row = update(clips, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
     run.iter_num = it = it + 1
     log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1,

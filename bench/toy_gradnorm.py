@@ -34,7 +34,7 @@ def grad_norms(kind, n_steps, shift_):
     text, neg = M.batch_text(cache, prompts, 'cpu'), M.batch_text(cache, [''] * len(prompts), 'cpu')
     gens = M.generators([1000 + i for i in range(len(prompts))])
     _, rec = M.sample(net, M.noise(M.latent_shape(toy.DIR, 0, 0, 0), gens, 'cpu'), sig, text, TOY['cfg'], neg,
-                      kind, eta, gens, keep=True)
+                      kind, eta, gens, keep=M.RECORDS)
     norms = []
     for t in range(n_steps):
         if rec['stds'][0, t] == 0:  # an ODE step has no log-prob

@@ -39,6 +39,7 @@ from infra.prompt_cache import read_prompts
 from kvpo import sde_ar
 from models import family
 from models.evaluate import Alarm, HeldOut
+from models.videoalign import load_reward
 from models.policy import generators, load_policy, noise, seed_of
 
 # ----------------------------------------------------------------------------- the method (train.py's values)
@@ -99,7 +100,7 @@ init, ema = (copy.deepcopy(policy).eval().requires_grad_(False) for _ in range(2
 trained = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
 ema_p = dict(ema.named_parameters())
 encode, decode = fam.text_encoder(model, device), fam.load_decoder(model, device)
-reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device, family=fam)
+reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_dir, device, family=fam)
 C, _, h, w = fam.latent_shape(model, fam.DEFAULTS['num_frames'], fam.DEFAULTS['height'], fam.DEFAULTS['width'])
 opt = torch.optim.AdamW([p for _, p in trained], lr=learning_rate, weight_decay=weight_decay)
 train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompts)[0]

@@ -37,6 +37,7 @@ from infra.prompt_cache import read_prompts
 from kvpo import kvpo, optim, segments
 from models import family
 from models.evaluate import Alarm, HeldOut
+from models.videoalign import load_reward
 from models.policy import seed_of
 
 # ----------------------------------------------------------------------------- the method (released values)
@@ -123,7 +124,7 @@ ema_p, old_p = dict(ema.named_parameters()), dict(old.named_parameters())
 for n, _ in trained:  # the EMA in fp32 whatever train_dtype, as released (in bf16, 1e-3 of a step rounds away)
     ema_p[n].data = ema_p[n].data.float()
 encode, decode = fam.text_encoder(model, device), fam.load_decoder(model, device)
-reward_fn, manifold_distance = reward.load(reward_model, videoalign_dir, qwen_dir, device, family=fam)
+reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_dir, device, family=fam)
 C, _, h, w = fam.latent_shape(model, fam.DEFAULTS['num_frames'], fam.DEFAULTS['height'], fam.DEFAULTS['width'])
 opt = torch.optim.AdamW([p for _, p in trained], lr=learning_rate, weight_decay=weight_decay)
 weights = dict(zip(reward.DIMS, reward_weights))

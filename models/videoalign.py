@@ -37,6 +37,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from reward import FiniteFrames
+
 SAMPLE_FPS = 2.0  # frames per second shown to the model (data_config.fps in model_config.json)
 MIN_FRAMES = 4  # fewest sampled frames (qwen-vl-utils FPS_MIN_FRAMES)
 MAX_FRAMES = 768  # most sampled frames (FPS_MAX_FRAMES)
@@ -319,3 +321,16 @@ def load_videoalign(checkpoint_dir, qwen_dir, device="cpu", dtype=torch.bfloat16
     norm = {k: (inference.get(f"{k}_mean", NORM[k][0]), inference.get(f"{k}_std", NORM[k][1])) for k in DIMS}
     sample_fps, max_pixels = data.get("fps", SAMPLE_FPS), data.get("max_frame_pixels", MAX_PIXELS)
     return VideoAlign(model, rm_head, tokenizer, norm, sample_fps, max_pixels)
+
+
+def load_reward(kind, videoalign_dir, qwen_dir, device, family=None):
+    """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', frozen (no manifold
+    distance: None), or 'world': the model family module `family`'s own exact reward and manifold
+    distance (the toy's; models/__init__.py OPTIONAL), which a real model does not have. Either
+    reward_fn scores a clip with a non-finite frame NaN (reward.FiniteFrames)."""
+    if kind == "world":
+        if getattr(family, "reward", None) is None:
+            raise SystemExit("reward_model='world': this model has no reward of its own; "
+                             "use reward_model='videoalign'")
+        return FiniteFrames(family.reward), getattr(family, "manifold_distance", None)
+    return FiniteFrames(load_videoalign(videoalign_dir, qwen_dir, device)), None

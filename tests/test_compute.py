@@ -78,11 +78,11 @@ def test_sample_window_outside_is_ode_without_logp():
     policy = model.load_policy(os.path.join(ROOT, 'assets/toy'), 'cpu', fsdp=False, checkpointing=False)
     sig = sde.sigmas(6, SHIFT)
     x1 = model.noise(toy.LATENT_SHAPE, model.generators([1, 2]), 'cpu')
-    _, full = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=True)
-    _, same = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=True,
+    _, full = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=model.RECORDS)
+    _, same = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=model.RECORDS,
                            window=range(6))
     assert all(torch.equal(full[k], same[k]) for k in full)  # a window of every step: the sampler without one, bitwise
-    _, rec = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=True, window=[2, 3])
+    _, rec = model.sample(policy, x1, sig, text, 1.0, text, 'sage', ETA, model.generators([3, 4]), keep=model.RECORDS, window=[2, 3])
     for t in range(6):
         x, nxt, mean, s = rec['xs'][:, t], rec['xs'][:, t + 1], rec['means'][:, t], sig[t].expand(2)
         if t in (2, 3):

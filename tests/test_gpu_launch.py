@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import reward
 import sde
 from extras import diagnostics
 from models import policy as model
+from models.videoalign import load_reward
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_hunyuan import make_tiny_hunyuan  # noqa: E402
@@ -179,10 +179,10 @@ def test_non_finite_gradients_skip_the_step_then_stop_with_the_last_good_checkpo
 
 
 def test_a_nan_frame_scores_its_clip_nan_and_the_others_as_before(tmp_path):
-    """reward.load's VideoAlign (tiny, random) given 3 clips, one with a NaN pixel (a bf16 decoder's
+    """load_reward's VideoAlign (tiny, random) given 3 clips, one with a NaN pixel (a bf16 decoder's
     overflow): that clip scores NaN in every output, the others what they score without it in the batch."""
     va, qwen = make_tiny_videoalign(str(tmp_path / 'va'))
-    fn, _ = reward.load('videoalign', va, qwen, 'cpu')
+    fn, _ = load_reward('videoalign', va, qwen, 'cpu')
     frames = torch.rand(3, 8, 3, 32, 48, generator=torch.Generator().manual_seed(0))
     frames[1, 3, 0, 5, 5] = float('nan')
     prompts = ['a red car', 'a dog', 'a cat']

@@ -143,7 +143,7 @@ def test_ode_sample_is_the_pipeline_loop(pipe, encoded):
     cache = {**{p: pos[i] for i, p in enumerate(PROMPTS)}, '': neg[0]}
     text, text_neg = model.batch_text(cache, PROMPTS, 'cpu'), model.batch_text(cache, ['', ''], 'cpu')
     out, traj = model.sample(pipe.transformer, x, sigmas, text, CFG, text_neg, 'ode', 0.0,
-                             model.generators([1, 2]), keep=True)
+                             model.generators([1, 2]), keep=model.RECORDS)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert traj['xs'].shape == (2, N + 1) + x.shape[1:] and traj['means'].shape == (2, N) + x.shape[1:]
     assert torch.equal(traj['xs'][:, 0], x) and torch.equal(traj['xs'][:, -1], out)

@@ -173,7 +173,7 @@ def test_ode_sampling_and_decode_are_the_pipeline_loop(roots, pipes, encoded, ve
     assert torch.equal(sched.sigmas.float(), sigmas)
     text, text_neg = cached_text(root, PROMPTS, '')
     out, traj = model.sample(model.load_transformer(root), x, sigmas, text, CFG, text_neg, 'ode', 0.0,
-                             model.generators([1, 2]), keep=True)
+                             model.generators([1, 2]), keep=('stds',))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert not traj['stds'].any()  # ODE steps: no noise
     # decode: latents * latents_std + latents_mean per channel, the VAE, frames in [0, 1]
