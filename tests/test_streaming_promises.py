@@ -9,7 +9,8 @@ written here on a tiny random streaming model (toy_ar's transformer). python -m 
 - a cache given, generation continues it (streaming.generate, sde_ar.generate): two calls of 3 frames
   equal one of 6, the generators continuing;
 - kvpo.noise_at is a function of (seed, frame, step): a frame's noise is the same whichever frames are
-  drawn beside it, and differs between steps and seeds.
+  drawn beside it, and differs between steps and seeds; a KVPO branch re-noises (the released 'fresh' way)
+  with the draws of its frames and steps, and writes its cache from x0 noised by the draw of step S.
 """
 import torch
 
@@ -119,3 +120,29 @@ def test_generation_continues_a_cache():
     parts = [sde_ar.generate(net, noise[:, :, a:a + 3], ctx, [1, 4], 'sage', 0.5, g, cache=cache) for a in (0, 3)]
     assert (torch.cat([p[0] for p in parts], 2) - whole).abs().max() < 1e-5
     assert (torch.cat([p[1]['logps'] for p in parts], 2) - rec['logps']).abs().max() < 1e-4
+
+
+def test_kvpo_renoises_with_the_frame_and_step_draws(monkeypatch):
+    # released re-noising (fresh): every recorded step of every branch is x_0 = noise_at(seed, frame, 0) and
+    # x_k = (1 - s_k) x0_{k-1} + s_k noise_at(seed, frame, k); the cache is written from (1 - c) x0 + c eps,
+    # eps the draw of step S (after every denoising step's)
+    net, shape, seed = tiny(FRESH), (4, 2, 2), 3
+    sig, S = streaming.sigmas(FRESH), len(FRESH['timesteps'])
+    ctx = text(1, n=1)
+    _, traj, _ = kvpo.rollout(net, ctx, 9, shape, dict(fork=5, older=[[1, 3], [2, 4]]), seed, 1, 2, 9)
+    x, x0 = traj['x'], traj['x0']  # (K, P, S, C, f, h, w)
+    assert x.shape[:3] == (2, 2, S)
+    for g in range(2):
+        for b in range(2):
+            frame = [5 + b]
+            assert torch.equal(x[g, b, 0], kvpo.noise_at(seed, frame, 0, shape)[0])
+            for k in range(1, S):
+                want = (1 - sig[k]) * x0[g, b, k - 1] + sig[k] * kvpo.noise_at(seed, frame, k, shape)[0]
+                assert (x[g, b, k] - want).abs().max() < 1e-6, (g, b, k)
+    written, real = [], streaming.forward_block
+    monkeypatch.setattr(streaming, 'forward_block',
+                        lambda net, x, s, c, cache, start, write=False: written.append(x) or real(net, x, s, c, cache,
+                                                                                                 start, write))
+    clean = torch.randn(1, 4, 1, 2, 2)
+    kvpo.write_block(net, clean, ctx, streaming.KVCache(FRESH), 6, seed, context_noise=0.1)
+    assert torch.allclose(written[0], 0.9 * clean + 0.1 * kvpo.noise_at(seed, [6], S, shape), atol=1e-7)
