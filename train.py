@@ -110,7 +110,7 @@ eval_every = 25                 # iterations between held-out evaluations (and a
 eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
 eval_videos = 4                 # mp4 files written per evaluation
-save_every = 50                 # iterations between checkpoints (and after a start's first, at the end, on SIGTERM)
+save_every = 50                 # iterations between checkpoints (and after the first, at the end, on SIGTERM)
 save_every_min = 30.0           # minutes of wall clock between checkpoints too (0: by count only)
 keep_checkpoints = 2            # newest checkpoints kept in out_dir
 export_dtype = 'bfloat16'       # the last checkpoint exported to out_dir/export; '' for none
@@ -387,7 +387,7 @@ def held_out(it):
         print(alarm.summary(ev))
 
 def checkpoint_or_stop(it):
-    """Checkpoint after this start's first iteration, every save_every iterations and save_every_min
+    """Checkpoint after the run's first iteration, every save_every iterations and save_every_min
     minutes (rundir.Cadence), at the end, on a stop request (SIGTERM: every rank asks once an
     iteration) and at a tripped alarm with hack_stop. True: the run stops here."""
     stop, halt = preemption.requested(device), hack_stop and alarm.tripped is not None

@@ -92,6 +92,7 @@ RULES = dict(
     solo_timeout=number(0, lo_open=True, then=" (minutes)"),
     # I/O
     eval_every=number(0), eval_samples=number(1), eval_videos=number(0), save_every=number(0),
+    save_every_min=number(0, then=' (minutes; 0: by count only)'),
     keep_checkpoints=number(1), diag_every=number(0), num_prompts=number(1), samples=number(1),
     # benches (bench.compute's and bench.verdicts' `prompts`, bench.fullsize's `only`: their own rules)
     threads=number(1), seeds=number(1), iters=number(1), workers=number(1), worker=number(0),

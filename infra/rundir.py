@@ -281,8 +281,9 @@ class Run:
 
 
 class Cadence:
-    """When the loop checkpoints, besides the end and a stop: after this start's first iteration (the
-    storage path proven at once, not after hours), every `every` iterations of the run, and once
+    """When the loop checkpoints, besides the end and a stop: after the run's first iteration (the
+    storage path proven at once, not after hours; a resumed start has read a checkpoint already, and
+    saves by count and clock), every `every` iterations of the run, and once
     `minutes` of wall-clock time have passed since this start or its last checkpoint (0: by count
     only), so a crash costs at most about `minutes` whatever an iteration takes. due(it) is a
     collective where minutes > 0: the ranks' elapsed times are reduced to their maximum, so every
@@ -293,12 +294,11 @@ class Cadence:
     def __init__(self, every, minutes, device, clock=None):
         self.every, self.minutes, self.device = every, minutes, device
         self.clock = clock or time.time
-        self.last, self.first = self.clock(), True
+        self.last = self.clock()
 
     def due(self, it):
         """Whether the checkpoint of iteration `it` (just finished) is due by count or by time."""
-        first, self.first = self.first, False
-        due = first or bool(self.every and it % self.every == 0)
+        due = it == 1 or bool(self.every and it % self.every == 0)
         if self.minutes > 0:  # every rank enters the reduction, whatever its count says
             elapsed = torch.tensor([self.clock() - self.last], dtype=torch.float64, device=self.device)
             if dist.is_initialized():

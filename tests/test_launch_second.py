@@ -4,7 +4,7 @@ The first 8-GPU launch, second pass (issue 59), on the toy and on CPU ranks:
   and its gradient is the three others', computed apart here (their log-densities by torch.distributions,
   the group advantages by hand); on 2 gloo ranks a rank whose clips all went NaN still joins every FSDP
   pass, and the run equals one process with the same clips NaN;
-- checkpoints after a start's first iteration and by the clock (save_every_min, decided the same on every
+- checkpoints after the run's first iteration and by the clock (save_every_min, decided the same on every
   rank: 2 gloo ranks whose clocks disagree), with the toy's metrics unchanged;
 - every path the run reads is checked before anything loads: a missing reward folder or watcher stops
   `python train.py config/toy.py` with one line per path and its `hf download` command, before the
@@ -194,6 +194,8 @@ def test_checkpoints_after_the_first_iteration_and_by_the_clock(tmp_path, monkey
     assert checkpoints(out_n) == [1, 2, 4, 6]  # the first iteration's, then by count
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(('t_', 'peak_mem'))} for r in rows]  # noqa: E731
     assert strip(metrics(out_t)) == strip(metrics(out_n))
+    message, _ = run_here(monkeypatch, SMALL + [f'--out_dir={tmp_path / "bad"}', '--save_every_min=-1'], check=False)
+    assert message and 'save_every_min' in message and 'at least 0' in message, message
 
 
 def _cadence_rank(rank, port, out):
@@ -211,7 +213,7 @@ def _cadence_rank(rank, port, out):
 
 
 def test_the_cadence_by_count_and_by_clock():
-    """One process, a clock set by hand: due after the first iteration, then at every 3rd (count) and
+    """One process, a clock set by hand: due after the run's first iteration, then at every 3rd (count) and
     once 10 minutes passed since the last save (clock), whichever comes first."""
     now = [0.0]
     c = rundir.Cadence(every=3, minutes=10, device='cpu', clock=lambda: now[0])
@@ -222,7 +224,8 @@ def test_the_cadence_by_count_and_by_clock():
     assert seen == [True, False, True, False, False, True, False]  # 1 first, 3 count, 6 count and clock
     now[0] = 60 * 36  # 16 minutes after the save at 20, iteration 7: by the clock alone
     assert c.due(7)
-    assert rundir.Cadence(every=0, minutes=0, device='cpu').due(1)  # the first is due whatever the settings
+    assert rundir.Cadence(every=0, minutes=0, device='cpu').due(1)  # the run's first, whatever the settings
+    assert not rundir.Cadence(every=0, minutes=0, device='cpu').due(5)  # a resumed start's first: by count, clock
 
 
 @pytest.mark.slow  # two spawned gloo ranks: ~20 s on 2 busy cores
