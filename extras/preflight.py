@@ -25,6 +25,7 @@ from models import DEFAULT, load_family
 from models import videoalign
 
 GET_MODEL = 'hf download {} --local-dir {}'  # the model: its family's HUB_ID (models/<family>.py)
+LOCAL = 'weights/HunyuanVideo-1.5-480p_t2v'  # where the README puts it
 
 
 def missing(config):
@@ -37,8 +38,9 @@ def missing(config):
             if not glob.glob(os.path.join(glob.escape(path), f)):
                 out.append(f'{setting} {path!r}: {f} not found; get it with: {how}')
                 return
-    need('model', c['model'], ['model_index.json'],
-         GET_MODEL.format(load_family(DEFAULT).HUB_ID, c['model']))
+    hub = load_family(DEFAULT).HUB_ID
+    need('model', c['model'], ['model_index.json'], GET_MODEL.format(hub, c['model']) if c['model'] != hub else
+         GET_MODEL.format(hub, LOCAL) + f' and pass --model={LOCAL}')  # the default names the hub, not a folder
     if c['reward_model'] == 'videoalign':
         how = videoalign.GET_CKPT.format(c['videoalign_dir'])
         need('videoalign_dir', c['videoalign_dir'], ['model_config.json', 'checkpoint-*/model.pth'], how)

@@ -283,6 +283,10 @@ def test_preflight_names_each_missing_path_with_its_download(tmp_path, monkeypat
         "pickscore_dir '/nope/pick': config.json not found; get it with: hf download yuvalkirstain/PickScore_v1 "
         '--local-dir /nope/pick',
         "train_prompts '/nope/p.txt' not found (a prompt a line, or a CSV with a prompt column)"], lines
+    hub = 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'  # train.py's default names the hub
+    assert preflight.missing(settings(model=hub)) == [
+        f"model {hub!r}: model_index.json not found; get it with: hf download {hub} --local-dir "
+        'weights/HunyuanVideo-1.5-480p_t2v and pass --model=weights/HunyuanVideo-1.5-480p_t2v']
 
 
 @pytest.mark.parametrize('args, wants', [
