@@ -6,7 +6,7 @@ The gradient of a step's log-prob reaches the network through the mean only:
 and x_next - mean = std_t z, so its size scales like N_t = |lambda_t| / std_t. Late steps (small
 std, small s) get gradients ~100x larger than early ones. The policy term of step t (not its KL
 terms, already in units of the step's std) is multiplied by
-    S_t = median(N over the trained steps) / N_t
+    S_t = median(N over the iteration's stochastic steps) / N_t
 so every trained step contributes a gradient of about the same size. For sage the largest S_t is
 the first step's (8.89 on the reference schedule), whose std comes from sde.py's clamp, not from the
 integral, which diverges there (docs/method.md 2.2).

@@ -1,7 +1,7 @@
-# The toy world (models/toy.py): SAGE-GRPO end to end on a 2-core CPU in a few minutes.
+# The toy world (models/toy.py): SAGE-GRPO end to end on a 2-core CPU in about 15 minutes.
 #   python train.py config/toy.py
 #   torchrun --nproc_per_node=2 train.py config/toy.py     # the FSDP2 path, gloo on CPU
-# Everything not set here keeps the paper's default from the top of train.py.
+# Everything not set here keeps train.py's default (the paper's, but for the switches of docs/method.md 6.2).
 model = 'assets/toy'            # the committed, pretrained tiny HunyuanVideo15Transformer3DModel
 reward_model = 'world'          # the toy world's own exact reward (models/toy.py): VQ, MQ, TA in [0, 1]
 eval_metrics = ''               # no CLIPScore/PickScore: the toy's metrics are exact; 24x24 frames mean little to CLIP
@@ -25,4 +25,4 @@ max_iters = 40
 eval_every = 10                  # the held-out evaluation (and the reward-hacking alarm's look) every 10 iterations
 eval_samples = 2                # 16 held-out prompts x 2 seeds
 save_every = 20
-diag_every = 3                  # not a divisor of anchor_every: right after a refresh the KL gradient is 0 by construction
+diag_every = 3                  # the 4-pass gradient diagnostics every 3rd iteration (at 0 and 30 the anchor is the policy: KL gradient 0)
