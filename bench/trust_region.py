@@ -1,26 +1,33 @@
 """
-The dual trust region where it acts (docs/method.md section 5): Fig. 8's four KL strategies (dual, moving,
-step-wise, none) at the paper's lambda_KL and at two held strengths, decided by paired seeds on the toy.
+The dual trust region where it acts (docs/method.md section 5): Fig. 8's KL strategies (dual, moving, step-wise,
+none) at the paper's lambda_KL and at two held strengths, decided by paired seeds on the toy.
 
-    python -m bench.trust_region                        # every cell (~40 new runs of ~7 min on one core)
+    python -m bench.trust_region                        # every cell (~35 new runs of ~7 min on one idle core)
     python -m bench.trust_region --workers=2 --worker=1 # with --worker=0 beside it: 2 processes on 2 cores
     python -m bench.trust_region --run=False            # only the report, from the cells cached
 
-The cells are bench.paper's (8 prompts x G=4, 60 iterations, an evaluation every 5; the same names and
-cache, so its dual, moving and none cells at the paper's lambda are reused): `train.py config/toy.py`
-with kl_strategy in (dual, moving, stepwise, none) and lambda_KL either the paper's schedule (1e-7 warming
-to 1e-5, the controller on) or held at a strength (kl_init = kl_min = kl_max, no warm-up). 'none' has no KL
-term, so one 'none' cell serves every strength.
+The cells are bench.paper's (8 prompts x G=4, 60 iterations, an evaluation every 5; the same names and cache, so
+its dual, moving and none cells at the paper's lambda are reused): `train.py config/toy.py` with lambda_KL either
+the paper's schedule (1e-7 warming to 1e-5, the controller on) or held at a strength (kl_init = kl_min = kl_max,
+no warm-up). 'none' has no KL term, so one 'none' cell serves every strength.
 
-Why 0.1 and 1: at the paper's lambda the KL term's gradient is ~1e-6 of the policy term's and every strategy
-gives the same run (results/paper.md, section 3). bench/toy.py section 3 (d) found the first strengths where
-the term is measurable: at kl_max 0.1 and 1 (reached only ~15% of the way by the 100-step warm-up in its 15
-iterations) the ratio was ~1e-2 and ~4e-2. Held at 0.1 and 1 the region acts from the first step, and the
-two strengths bracket the ratio a user would aim for (the report gives each cell's measured ratio).
+Two pairs are one run by construction at the defaults (one optimizer step per rollout batch, the exact velocity
+KL): the old mean is this forward's own, detached, so the velocity term and its gradient are exactly 0, 'moving' is
+'dual' and 'stepwise' is 'none', bitwise. So the strategies trained are dual and none (with moving at the paper's
+lambda, bench.paper's cached cells, as the check: the report gives the largest difference of every pair cached);
+the velocity term acts with the released one-sample estimate (kl_estimator 'sample': its gradient at theta_old is
+the score at x_next, not 0), so 'dual + sample' against moving and 'stepwise + sample' against none are its cells,
+queued after.
 
-Writes results/trust_region.md and .json; the verdicts: each strategy against 'none' and dual against
-moving and step-wise at each strength (bench.verdicts' paired protocol: positive = the first is better),
-and the alarm of every run.
+Why 0.1 and 1: at the paper's lambda the KL term's gradient is ~1e-6 of the policy term's and every strategy gives
+the same run (results/paper.md, section 3). bench/toy.py section 3 (d) found the first strengths where the term is
+measurable: at kl_max 0.1 and 1 (reached only ~15% of the way by the 100-step warm-up in its 15 iterations) the
+4-pass ratio was ~1e-2 and ~4e-2. Held at 0.1 and 1 the region acts from the first step; the report gives each
+cell's measured ratio.
+
+Writes results/trust_region.md and .json: dual against none at each strength (bench.verdicts' paired protocol:
+positive = the first is better), each strength's dual against the paper's, the identity of the pairs above, the
+velocity term's cells where run, the alarm of every run, and the calibration of the logged ratio (kl_ratio_est).
 """
 import json
 import os
@@ -46,7 +53,8 @@ threads = 1              # torch threads of every train.py
 budget_min = 0.0         # start no new training run after this many minutes (0: no limit)
 config = configure(globals(), sys.argv[1:])
 # -----------------------------------------------------------------------------
-STRATEGIES = ('dual', 'moving', 'stepwise', 'none')
+STRATEGIES = ('dual', 'none', 'moving', 'dual + sample', 'stepwise + sample')  # trained (moving: at the paper's only)
+SAME = {'moving': 'dual', 'stepwise': 'none'}  # one run by construction at the defaults (the docstring)
 LAMS = [float(x) for x in strengths.split(',') if x.strip()]
 PAPER = 'paper'  # the strength label of the paper's schedule
 C.setup(out, threads, budget_min)
@@ -64,11 +72,13 @@ def held(lam):
 
 def cells():
     """{(strategy, strength): train.py overrides}; strength PAPER or a float; 'none' once, as (none, PAPER)."""
-    c = {}
-    for st in STRATEGIES:
-        c[(st, PAPER)] = dict(V.REF, kl_strategy=st)  # dual: bench.verdicts' reference cell itself
-        for lam in LAMS if st != 'none' else ():
-            c[(st, lam)] = dict(V.REF, kl_strategy=st, **held(lam))
+    c = {('none', PAPER): dict(V.REF, kl_strategy='none'), ('moving', PAPER): dict(V.REF, kl_strategy='moving')}
+    for lam in [PAPER] + LAMS:
+        lam_ov = {} if lam == PAPER else held(lam)
+        c[('dual', lam)] = dict(V.REF, kl_strategy='dual', **lam_ov)  # at PAPER: bench.verdicts' reference cell
+        if lam != PAPER:
+            c[('dual + sample', lam)] = dict(V.REF, kl_strategy='dual', kl_estimator='sample', **lam_ov)
+            c[('stepwise + sample', lam)] = dict(V.REF, kl_strategy='stepwise', kl_estimator='sample', **lam_ov)
     return c
 
 
@@ -78,14 +88,11 @@ def label(key):
 
 
 def todo(cs):
-    """[(key, seed)]: the first strength's cells (with 'none') seed-major, then the next strength's, then the
-    paper's lambda: a budget cut leaves the most informative strength complete first."""
-    order = []
-    for lam in LAMS + [PAPER]:
-        keys = [k for k in cs if k[1] == lam and k[0] != 'none']
-        if lam == LAMS[0]:
-            keys = [('none', PAPER)] + keys
-        order += [(k, s) for s in range(seeds) for k in keys]
+    """[(key, seed)]: dual at the first strength with 'none', seed-major; then the next strength's dual; then the
+    velocity term's cells: a budget cut leaves the most informative comparison complete first."""
+    order = [(k, s) for s in range(seeds) for k in (('none', PAPER), ('dual', LAMS[0]))]
+    order += [(('dual', lam), s) for lam in LAMS[1:] for s in range(seeds)]
+    order += [((st, lam), s) for lam in LAMS for s in range(seeds) for st in ('dual + sample', 'stepwise + sample')]
     return order
 
 
@@ -126,7 +133,10 @@ def alarm(nm, run):
 
 
 def report(cs):
-    runs = {k: [C.cached(P.name(ov, s)) for s in range(seeds)] for k, ov in cs.items()}
+    # bench.paper's rerun_ of a cell is the same run trained again by the current code (its dual @ paper cells were
+    # first trained when the update still took the old log-prob from the rollout): the current code's run first
+    runs = {k: [C.cached('rerun_' + P.name(ov, s)) or C.cached(P.name(ov, s)) for s in range(seeds)]
+            for k, ov in cs.items()}
     strengths = [PAPER] + LAMS
     fmt = lambda x, p=3: '-' if x is None else (f'{x:.1e}' if p == 'e' else f'{x:.{p}f}')
     mean = lambda xs: sum(xs) / len(xs) if xs else None
@@ -156,9 +166,11 @@ def report(cs):
     md += ['**Every cell** (mean over its seeds; KL/policy: the 4-pass gradient ratio of one clip, every 3rd iteration; '
            'alarm: runs whose reward-hacking alarm tripped / runs with it recorded):', '',
            table(['cell', 'seeds', 'composite', 'VQ', 'MQ', 'TA', 'manifold', 'KL/policy', 'alarm', 'where it tripped'], rows), '']
+    md += identity(runs, res)
     for lam in strengths:
-        keys = [(st, lam) for st in STRATEGIES if st != 'none'] + [('none', PAPER)]
-        pairs = [(k, ('none', PAPER)) for k in keys[:-1]] + [(keys[0], keys[1]), (keys[0], keys[2])]
+        pairs = [(('dual', lam), ('none', PAPER))]  # Fig. 8 at the defaults: dual (= moving) vs none (= stepwise)
+        if lam != PAPER:  # the velocity term, acting under the released estimator
+            pairs += [(('dual + sample', lam), ('dual', lam)), (('stepwise + sample', lam), ('none', PAPER))]
         rows, found = [], {}
         for a, b in pairs:
             cis = {m: compare(runs, a, b, m) for m in METRICS}
@@ -166,17 +178,15 @@ def report(cs):
             rows.append([label(a), label(b), cis['composite']['n']] + [P.shown(cis[m], m) for m in METRICS])
         res['verdicts'][str(lam)] = {f'{label(a)} vs {label(b)}': {m: dict(ci, verdict=V.verdict(ci)) for m, ci in v.items()}
                                      for (a, b), v in found.items()}
-        fig8 = [found[(keys[0], keys[1])]['composite'], found[(keys[0], ('none', PAPER))]['composite']]
-        w = [V.verdict(ci) for ci in fig8]
-        decided = 'holds' if all(x == 'holds' for x in w) else 'fails' if 'fails' in w else \
-            'not run' if 'not run' in w or 'too few seeds yet' in w else 'cannot be told'
-        res['fig8'][str(lam)] = decided
+        ci = found[pairs[0]]['composite']
+        decided = {'holds': 'dual beats none', 'fails': 'none beats dual'}.get(V.verdict(ci), V.verdict(ci))
+        res['fig8'][str(lam)] = V.verdict(ci)
         name = 'the paper\'s schedule' if lam == PAPER else f'lambda_KL held at {lam:g}'
         md += [f'## {name}', '', 'Each row: the first cell\'s paired advantage over the second (positive = the first is better: '
                'higher composite, VQ, MQ, TA; lower manifold distance), mean and 95% t interval over the seeds.', '',
                table(['cell', 'vs', 'seeds'] + [f'Δ {m} [95%]' for m in METRICS], rows), '',
-               f'**Fig. 8\'s claim** (dual beats moving and no KL, held-out composite) at {name}: **{decided}** '
-               f'(vs moving: {V.fmt(fig8[0])}, vs none: {V.fmt(fig8[1])}).', '']
+               f'**Fig. 8\'s claim** (dual beats moving and no KL, held-out composite) at {name}: against moving the same '
+               f'run (above); against none **{decided}** ({V.fmt(ci)}, {ci["n"]} paired seeds).', '']
     # the recipe: a strength that beats the paper's lambda with VQ and the manifold at least the base's
     md += ['## Against the paper\'s lambda (the recipe)', '',
            'Each strength\'s dual cell against dual at the paper\'s schedule (positive = the strength is better); '
@@ -194,6 +204,29 @@ def report(cs):
     md += [table(['cell', 'seeds'] + [f'Δ {m} vs dual @ paper' for m in METRICS] + ['VQ, manifold >= base'], rows), '']
     md += ratio_section(res, runs)
     return res, md
+
+
+def identity(runs, res):
+    """The pairs that are one run by construction (SAME): the largest difference of any logged training figure
+    and held-out metric over every seed where both cells are cached."""
+    lines = []
+    for (a, lam) in [k for k in runs if k[0] in SAME]:
+        b = (SAME[a], lam)
+        if b not in runs:
+            continue
+        both = [(x, y) for x, y in zip(runs[(a, lam)], runs[b]) if x and y]
+        if not both:
+            continue
+        keys = ('reward', 'VQ', 'MQ', 'TA', 'loss', 'kl_pos', 'kl_vel', 'grad_norm')
+        d = max(max(abs(i[k] - j[k]) for i, j in zip(x['iters'], y['iters']) for k in keys if k in i and k in j)
+                for x, y in both)
+        e = max(max(abs(i[m] - j[m]) for i, j in zip(x['evals'], y['evals']) for m in METRICS) for x, y in both)
+        res.setdefault('identity', {})[f'{label((a, lam))} vs {label(b)}'] = dict(seeds=len(both), iters=d, evals=e)
+        lines.append(f'- {label((a, lam))} vs {label(b)}: {len(both)} seeds, largest difference of a logged training '
+                     f'figure {d:.1e}, of a held-out metric {e:.1e}.')
+    return ['## The pairs that are one run', '', 'At one optimizer step per rollout batch with the exact velocity KL, '
+            'the velocity term and its gradient are exactly 0 (the old mean is the forward\'s own, detached): moving is '
+            'dual\'s run and step-wise none\'s. Where both cells are cached:', ''] + (lines or ['- none cached yet']) + ['']
 
 
 def ratio_section(res, runs):
@@ -231,6 +264,25 @@ def ratio_section(res, runs):
     return md
 
 
+def readme_lines(res):
+    """The README's line: what the paper's lambda does, and each held strength against none and the paper's."""
+    def part(lam):
+        v = res['verdicts'][str(lam)]
+        ci = next(iter(v.values()))['composite']
+        at = "the paper's" if lam == PAPER else f'held at {lam:g}'
+        if ci['n'] < 2:
+            return f'{at}: {V.verdict(ci)}'
+        c = res['cells'][label(('dual', lam))]
+        return (f'{at} ({c["kl_grad_ratio"]:.0e}): Δ composite '
+                f'{V.fmt(ci)} over {ci["n"]} seeds, VQ {c["VQ"]:.3f}, manifold {c["manifold"]:.4f}')
+    b = res['base']
+    return [f'- *The trust region* (`python -m bench.trust_region`, 60 iterations of 8 prompts): dual KL against none by '
+            f'paired seeds, at lambda_KL (its KL/policy gradient ratio in brackets) {"; ".join(part(l) for l in [PAPER] + LAMS)} '
+            f'(base model: VQ {b["VQ"]:.3f}, manifold {b["manifold"]:.4f}). At the paper\'s lambda it does not act; moving '
+            'is dual\'s run at the defaults (the exact velocity KL is 0 at theta_old). '
+            '[results/trust_region.md](results/trust_region.md), docs/method.md 5.6.']
+
+
 if __name__ == '__main__':
     cs = cells()
     n_new = sum(C.cached(P.name(ov, s)) is None for ov in cs.values() for s in range(seeds))
@@ -245,3 +297,5 @@ if __name__ == '__main__':
         md[2:2] = [f'**Incomplete**: {missing} of {seeds * len(cs)} runs are not cached yet; rerun '
                    '`python -m bench.trust_region` to go on.', '']
     C.write_report(os.path.join(out, 'trust_region'), res, md)
+    if out == 'results':
+        C.put_block('README.md', 'bench.trust_region', readme_lines(res))
