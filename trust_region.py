@@ -61,7 +61,7 @@ def output_grad_sq(term, mean):
     term (n,) sends into the transition mean (n, ...) it is computed from, before the network's
     Jacobian. Autograd stops at `mean`: no pass through the network, the graph is kept for the
     backward that follows. The logged KL/policy gradient ratio (docs/method.md 5.6) is built of these."""
-    if not term.requires_grad:  # a term that is off (a zero tensor)
+    if not (term.requires_grad and mean.requires_grad):  # a term that is off (a zero tensor), or no graph
         return torch.zeros(mean.shape[0], device=mean.device)
     g, = torch.autograd.grad(term.sum(), mean, retain_graph=True, allow_unused=True)
     return torch.zeros(mean.shape[0], device=mean.device) if g is None else g.float().flatten(1).pow(2).sum(1)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trust_region import gaussian_kl
+from trust_region import gaussian_kl, output_grad_sq
 
 EPS = 1e-4  # clip range
 SOURCE = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'train.py')).read()
@@ -70,7 +70,7 @@ def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=No
         return SimpleNamespace(mean=mean_anchor, std=std, logp=None)  # the anchor's, under no_grad
     names = dict(torch=torch, policy_step=lambda clips, b, t: step(),
                  on_policy=on_policy,
-                 tr=SimpleNamespace(gaussian_kl=gaussian_kl),
+                 tr=SimpleNamespace(gaussian_kl=gaussian_kl, output_grad_sq=output_grad_sq),
                  anchor=SimpleNamespace(applied=lambda policy: contextlib.nullcontext()), policy=None,
                  clip_range=EPS, device='cpu', kl_estimator=kl_estimator,
                  kl_pos_weight=beta_pos if mean_anchor is not None else 0.0,
