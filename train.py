@@ -52,7 +52,7 @@ group_size = 4                  # G: rollouts per prompt, the group of the advan
 reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA): Setting B, the paper's main one; A: (1, 1, 1)
 adv_clip = 5.0                  # advantages are clipped to +-adv_clip
 equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
-timestep_fraction = 1.0         # fraction of the stochastic steps trained per clip
+timestep_fraction = 1.0         # fraction of the stochastic steps trained per video
 clip_range = 1e-4               # PPO ratio clip
 updates_per_iter = 1            # optimizer steps per rollout batch (1: theta == theta_old)
 kl_strategy = 'dual'            # 'none' | 'fixed' | 'stepwise' | 'moving' | 'dual'
@@ -78,7 +78,7 @@ median = 'mean_of_middle'       # S_t's median of an even count: numpy's | 'lowe
 # add-ons, off by default (docs/method.md 4.3, 6.3, 9)
 advantage = 'grpo'              # 'grpo' (the paper) | 'per_component' | 'taros' (reward.py)
 sde_window = 0                  # > 0: a random window of this many steps is stochastic, trained
-credit = 'none'                 # 'none': a clip's tokens share its advantage | 'tvrl' (extras/)
+credit = 'none'                 # 'none': a video's tokens share its advantage | 'tvrl' (extras/)
 credit_granularity = 'window'   # tvrl: 'window' (a weight a latent token) | 'frame'
 credit_window = (1, 3, 3)       # tvrl: (t, h, w) latent tokens of the smoothing box (odd)
 diag_every = 0                  # iterations between gradient-norm diagnostics (0: never)
@@ -88,10 +88,10 @@ model = 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'  # a diffus
 train_prompts = 'prompts/train.txt'  # a prompt a line, or a CSV with prompt (and seed) columns
 eval_prompts = 'prompts/eval.txt'    # held-out prompts, never trained on (same formats)
 negative_prompt = ''            # the unconditional branch of classifier-free guidance
-num_frames = 81                 # frames per clip
+num_frames = 81                 # frames per video
 height = 352                    # rollout resolution (the paper trains at 352x624)
 width = 624
-fps = 24                        # frame rate of the decoded clips (the reward samples at 2 fps)
+fps = 24                        # frame rate of the decoded videos (the reward samples at 2 fps)
 reward_model = 'videoalign'     # 'videoalign' (frozen) | 'world': the model's own (the toy's)
 videoalign_dir = 'weights/VideoReward'     # hf download KwaiVGI/VideoReward --local-dir ...
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'  # hf download Qwen/Qwen2-VL-2B-Instruct ...
@@ -104,8 +104,8 @@ out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, promp
 init_from = 'auto'              # 'auto': continue out_dir's run, else new | 'scratch' | 'resume'
 max_iters = 300                 # rollout batches
 prompts_per_iter = 8            # prompts per rollout batch, over all ranks
-rollout_batch = 4               # clips per forward in rollouts and evaluation (per rank)
-train_batch = 1                 # clips per forward+backward in the update (per rank)
+rollout_batch = 4               # videos per forward in rollouts and evaluation (per rank)
+train_batch = 1                 # videos per forward+backward in the update (per rank)
 eval_every = 25                 # iterations between held-out evaluations (and at start and end)
 eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
@@ -122,7 +122,7 @@ gradient_checkpointing = True   # recompute block activations in backward
 attention = 'valid_tokens'      # the blocks' attention: padding left out (models/attention.py)
 attention_backend = 'native'    # diffusers' attention backend: 'native', '_native_flash', ...
 device = 'cuda'                 # 'cuda' or 'cpu'
-sp_size = 1                     # ranks of a node sharing one clip's tokens (infra/sp.py)
+sp_size = 1                     # ranks of a node sharing one video's tokens (infra/sp.py)
 shard_size = 0                  # ranks a weight is sharded over (HSDP; 0: a node's ranks)
 dist_timeout = 10.0             # minutes a collective waits: a dead or hung rank ends the job
 solo_timeout = 60.0             # minutes the ranks wait for rank 0 alone (load, cache, export)
@@ -137,11 +137,11 @@ quiet = print if master else lambda m: None
 quiet(json.dumps(config, indent=1))
 quiet(parallel.allocator_line(device))  # the allocator settings torch reports
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
-# sp inside a node, the shards and the clips divide the ranks (else one line, and nothing starts);
-# this rank's clips (global indices clip_ids), the same over an sp group (consecutive ranks)
-shard_size, dp_rank, dp_world, dp_group, clip_ids = parallel.layout(
+# sp inside a node, the shards and the videos divide the ranks (else one line, and nothing starts);
+# this rank's videos (global indices video_ids), the same over an sp group (consecutive ranks)
+shard_size, dp_rank, dp_world, dp_group, video_ids = parallel.layout(
     rank, world, shard_size, sp_size, sp_mesh, prompts_per_iter * group_size, log=quiet)
-n_local = len(clip_ids)
+n_local = len(video_ids)
 preemption = Preemption(rank, device)  # the first SIGTERM: a checkpoint at the next forward
 train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
 eval_list, _ = prompt_cache.read_prompts(eval_prompts)
@@ -207,18 +207,18 @@ def trained_steps(it):
     return steps, s_t.to(device)
 
 def rollout(it, steps):
-    """G clips of each of the iteration's prompts from the current policy, the SDE at `steps`, and
+    """G videos of each of the iteration's prompts from the current policy, the SDE at `steps`, and
     of every step what the update and the log read: the latents 'xs' (n, N+1, C, F, h, w) (the
     update's x_t and x_{t+1}) and the log-probs 'logps' (n, N) (at the defaults only the log's drift
     figure: docs/method.md 4.6); the means 'means' (n, N, C, F, h, w) only where updates_per_iter > 1
-    (update recomputes them there) or credit='tvrl', which also needs 'stds' (n, N). And the clips'
+    (update recomputes them there) or credit='tvrl', which also needs 'stds' (n, N). And the videos'
     prompts. Every draw has its own seed."""
     keep = ('xs', 'logps') + ('means',) * (not on_policy or credit == 'tvrl')  # models/policy.py RECORDS
     keep += ('stds',) * (credit == 'tvrl')  # tvrl.reweight: the log-probs from the means and stds
     chosen = prompt_cache.choose(len(train_list), prompts_per_iter, seed_of(seed, 'prompts', it))
-    prompts, records = [train_list[chosen[i // group_size]] for i in clip_ids], []
+    prompts, records = [train_list[chosen[i // group_size]] for i in video_ids], []
     for c in tqdm(range(0, n_local, rollout_batch), 'rollout', disable=not master, leave=False):
-        ids, ps = clip_ids[c:c + rollout_batch], prompts[c:c + rollout_batch]
+        ids, ps = video_ids[c:c + rollout_batch], prompts[c:c + rollout_batch]
         gens = generators([seed_of(seed, 'rollout', it, i) for i in ids])  # the SDE's noise
         x1 = noise(shape, gens if prompt_noise == 'fresh' else generators(  # 'fixed' (released):
             [prompt_seeds[p] + i % group_size if p in prompt_seeds  # member i % G's, every time
@@ -230,22 +230,22 @@ def rollout(it, steps):
     count_passes(run.passes, ('rollout',), device)
     return dict({k: torch.cat([r[k] for r in records]) for k in records[0]}, prompts=prompts)
 
-def score(clips, steps):
-    """Decode and score the clips in memory, each once (an sp group divides them): {'VQ', 'MQ',
-    'TA', ...: (n,)}; tvrl: each clip's credit, and its old log-probs weighted by it. A clip whose
-    rollout went NaN or inf scores NaN and leaves the update (clips['finite'], infra/finite.py)."""
+def score(videos, steps):
+    """Decode and score the videos in memory, each once (an sp group divides them): {'VQ', 'MQ',
+    'TA', ...: (n,)}; tvrl: each video's credit, and its old log-probs weighted by it. A video whose
+    rollout went NaN or inf scores NaN and leaves the update (videos['finite'], infra/finite.py)."""
     def scored(idx):  # frames (n, F, 3, H, W) in [0, 1]
-        frames = torch.cat([decode(x) for x in clips['xs'][idx, -1].split(rollout_batch)])
-        return score_fn(frames, [clips['prompts'][i] for i in idx], fps)
+        frames = torch.cat([decode(x) for x in videos['xs'][idx, -1].split(rollout_batch)])
+        return score_fn(frames, [videos['prompts'][i] for i in idx], fps)
     scores = sp.divide_work(scored, n_local, sp_mesh)
-    clips['finite'] = finite.mark(clips, scores)  # [bool] (n,); the others' latents set to 0
+    videos['finite'] = finite.mark(videos, scores)  # [bool] (n,); the others' latents set to 0
     if credit == 'tvrl':  # credit (n, 1, F, h, w), its peak (n,), the old log-probs weighted by it
-        clips['credit'], scores['credit_peak'] = tvrl.reweight(clips, scores.pop('credit'), steps)
+        videos['credit'], scores['credit_peak'] = tvrl.reweight(videos, scores.pop('credit'), steps)
     return scores
 
 def advantages(scores):
-    """GRPO advantages of this rank's clips (n,), each over its whole group (groups may span ranks),
-    and which clips count (n,): a NaN reward drops its clip; and the batch's rewards for the log."""
+    """GRPO advantages of this rank's videos (n,), each over its whole group (groups may span ranks),
+    and which videos count (n,): a NaN reward drops its video; and the batch's rewards for the log."""
     c = torch.stack([scores[k] for k in reward.DIMS], 1).float().to(device)  # (n, 3)
     c = parallel.gather(c, dp_group).view(prompts_per_iter, group_size, -1)  # (P, G, 3) all ranks'
     r = reward.combine(dict(zip(reward.DIMS, c.unbind(-1))), reward_weights)  # (P, G)
@@ -254,34 +254,34 @@ def advantages(scores):
         adv, valid = reward.component_advantages(c, reward_weights, advantage, adv_clip)
     reward.check_valid(valid, run.iter_num + 1, out_dir, quiet)  # all NaN: stop; some: say so
     batch = dict(r=r, c=c, std=std, valid=valid)  # (P, G), (P, G, 3), (P, 1), (P, G)
-    return adv.flatten()[clip_ids], valid.flatten()[clip_ids].float(), batch
+    return adv.flatten()[video_ids], valid.flatten()[video_ids].float(), batch
 
-def policy_step(clips, b, t):
-    """The policy's SDE step from the rollout's x_t of local clips b (a list) at steps t (n,): its
+def policy_step(videos, b, t):
+    """The policy's SDE step from the rollout's x_t of local videos b (a list) at steps t (n,): its
     mean, std and the log-prob of the rollout's x_{t+1} (tvrl: credit-weighted), one forward."""
-    x, x_next = clips['xs'][b, t], clips['xs'][b, t + 1]          # (n, C, F, h, w)
-    text, text_neg = text_for([clips['prompts'][i] for i in b])
+    x, x_next = videos['xs'][b, t], videos['xs'][b, t + 1]          # (n, C, F, h, w)
+    text, text_neg = text_for([videos['prompts'][i] for i in b])
     v = velocity(policy, x, sigmas[t], text, cfg, text_neg)  # guided: CFG's two branches
     return sde.step(x, v, sigmas[t], sigmas[t + 1], sampler, eta, x_next=x_next,
-                    weight=clips['credit'][b] if credit == 'tvrl' else None)
+                    weight=videos['credit'][b] if credit == 'tvrl' else None)
 
-def step_loss(clips, b, t, s_t, lam, denom):
-    """The objective of local clips b (a list) at their trained steps t (n,), docs/method.md
-    sections 4 and 5: the loss to backward, and its per-clip terms (n,) for the log."""
+def step_loss(videos, b, t, s_t, lam, denom):
+    """The objective of local videos b (a list) at their trained steps t (n,), docs/method.md
+    sections 4 and 5: the loss to backward, and its per-video terms (n,) for the log."""
     kl_pos = kl_vel = torch.zeros(len(b), device=device)
     if kl_pos_weight:  # the anchor's forward first and without grad: its in-place weight swap must
         with torch.no_grad(), anchor.applied(policy):  # not fall between a forward and its backward
-            mean_anchor = policy_step(clips, b, t).mean
-    new = policy_step(clips, b, t)  # both CFG branches carry gradients: the policy is guided
+            mean_anchor = policy_step(videos, b, t).mean
+    new = policy_step(videos, b, t)  # both CFG branches carry gradients: the policy is guided
     # theta == theta_old at one optimizer step per rollout batch: the old log-prob and mean are this
     # forward's own, detached, not the rollout's, which another batch shape rounds differently
     # (bf16: |d logp| > clip_range at the late steps, and the clip would drop every loser: 4.6)
     logp_old, mean_old = (new.logp.detach(), new.mean.detach()) if on_policy else \
-        (clips['logps'][b, t], clips['means'][b, t])  # else recomputed by update in this shape
+        (videos['logps'][b, t], videos['means'][b, t])  # else recomputed by update in this shape
     ratio = torch.exp(new.logp - logp_old)                                      # (n,)
-    adv = clips['adv'][b]                                                        # (n,)
+    adv = videos['adv'][b]                                                        # (n,)
     # PPO's pessimistic clip: the unclipped term's gradient flows only where clipping would not
-    # make the objective more optimistic; scaled by the equalizer's S_t of each clip's step
+    # make the objective more optimistic; scaled by the equalizer's S_t of each video's step
     clipped = ratio.clamp(1 - clip_range, 1 + clip_range)
     policy_term = s_t[t] * torch.maximum(-adv * ratio, -adv * clipped)          # (n,)
     if kl_pos_weight:
@@ -289,57 +289,57 @@ def step_loss(clips, b, t, s_t, lam, denom):
     if kl_vel_weight:  # velocity: to the rollout policy, exact, or the released one-sample estimate
         kl_vel = tr.gaussian_kl(new.mean, mean_old, new.std) if kl_estimator == 'exact' \
             else logp_old - new.logp  # (n,) 0 in expectation at theta_old, its gradient not
-    per_clip = policy_term + lam * (kl_pos_weight * kl_pos + kl_vel_weight * kl_vel)  # (n,)
-    drift = (new.logp.detach() - clips['logps'][b, t]).abs() if on_policy else None  # vs rollout
-    # what each term asks of the transition mean, per clip (n,): the logged KL/policy ratio (5.6)
-    g_policy, g_kl = (tr.output_grad_sq(x, new.mean) for x in (policy_term, kl_pos_weight * kl_pos
-                                                                + kl_vel_weight * kl_vel))
-    terms = dict(policy=policy_term, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv,
-                 valid=clips['valid'][b], drift=drift, g_policy=g_policy, g_kl=g_kl)
-    # a NaN-reward clip drops out whole; where(), not a product: 0 * NaN would leak in
-    return torch.where(clips['valid'][b] > 0, per_clip, 0.0).sum() / denom, terms
+    kl = kl_pos_weight * kl_pos + kl_vel_weight * kl_vel                      # (n,) the strategy's
+    per_video = policy_term + lam * kl                                           # (n,)
+    drift = (new.logp.detach() - videos['logps'][b, t]).abs() if on_policy else None  # vs rollout
+    # what each term asks of the transition mean, per video (n,): the logged KL/policy ratio (5.6)
+    g_policy, g_kl = (tr.output_grad_sq(x, new.mean) for x in (policy_term, kl))
+    terms = dict(policy=policy_term, kl=kl, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv,
+                 valid=videos['valid'][b], drift=drift, g_policy=g_policy, g_kl=g_kl)
+    # a NaN-reward video drops out whole; where(), not a product: 0 * NaN would leak in
+    return torch.where(videos['valid'][b] > 0, per_video, 0.0).sum() / denom, terms
 
-def update(clips, batch, steps, s_t):
-    """Every trained step of every clip (a random order each) in updates_per_iter optimizer steps:
-    the losses' backward, the clip, the step, lambda_KL, the anchor; what the log shows of it."""
+def recompute_old(videos, order, micro, stats):
+    """updates_per_iter > 1 only: the old log-probs and means at theta_old, recomputed in the update's
+    batch shape, so the ratio measures the policy's move, not another shape's rounding (4.6)."""
+    with torch.no_grad():
+        for b, stand_in, k in preemption.points(micro(list(range(n_local)))):
+            old, t = policy_step(videos, b, order[b, k]), order[b, k]
+            if stand_in:  # no finite video in b: the forward only joins FSDP's collectives
+                continue
+            stats.drifted((old.logp - videos['logps'][b, t]).abs())
+            videos['logps'][b, t], videos['means'][b, t] = old.logp, old.mean
+    count_passes(run.passes, ('old',), device)
+
+def update(videos, batch, steps, s_t):
+    """Every trained step of every video (a random order each) in updates_per_iter optimizer steps:
+    the losses' backward, the gradient clip, the step, lambda_KL, the anchor; what the log shows of it."""
     order = torch.stack([torch.tensor(steps)[torch.randperm(len(steps), generator=torch.Generator()
                          .manual_seed(seed_of(seed, 'order', run.iter_num, i)))[:n_train]]
-                         for i in clip_ids])  # (n, n_train) the trained steps of each clip
-    stats = diagnostics.UpdateStats(max(1, sum(clips['finite'])) * n_train, clip_range)  # for the log
-    def micro(ids):  # forward+backward passes: (train_batch of the clips, stand-in, one of their steps)
-        return [(*finite.part(ids[i:i + train_batch], clips['finite']), k)  # NaN/inf rollouts left out
+                         for i in video_ids])  # (n, n_train) the trained steps of each video
+    stats = diagnostics.UpdateStats(max(1, sum(videos['finite'])) * n_train, clip_range)  # for the log
+    def micro(ids):  # forward+backward passes: (train_batch of the videos, stand-in, one of their steps)
+        return [(*finite.part(ids[i:i + train_batch], videos['finite']), k)  # NaN/inf rollouts left out
                 for i in range(0, len(ids), train_batch) for k in range(n_train)]
-    if not on_policy:  # the old log-probs and means at theta_old in this batch shape: the ratio
-        with torch.no_grad():  # measures the policy's move, not another shape's rounding (4.6)
-            for b, stand_in, k in preemption.points(micro(list(range(n_local)))):
-                old, t = policy_step(clips, b, order[b, k]), order[b, k]
-                if stand_in:  # no finite clip in b: the forward only joins FSDP's collectives
-                    continue
-                stats.drifted((old.logp - clips['logps'][b, t]).abs())
-                clips['logps'][b, t], clips['means'][b, t] = old.logp, old.mean
-        count_passes(run.passes, ('old',), device)
+    if not on_policy:  # updates_per_iter > 1 only
+        recompute_old(videos, order, micro, stats)
     for chunk in [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]:
         # the divisor that makes the sum of every micro-batch's, step's and rank's loss (FSDP
-        # averages ranks) the mean over valid clips x trained steps, this optimizer step's share
+        # averages ranks) the mean over valid videos x trained steps, this optimizer step's share
         denom = max(1.0, batch['valid'].sum().item()) * n_train / world / updates_per_iter
-        kls, g_sq = [], torch.zeros(2, device=device)  # this step's sum ||d/d mean||^2: policy, KL
+        kls = []  # the KL of each micro-batch: lambda_KL's input
         # FSDP reduce-scatters after every backward, so gradients stay sharded (accumulating
         # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
         bar = tqdm(micro(chunk), 'update', disable=not master, leave=False)
         for b, stand_in, j in preemption.points(bar):  # a stop drops these gradients: no step yet
-            loss, terms = step_loss(clips, b, order[b, j], s_t, controller.value, denom)
+            loss, terms = step_loss(videos, b, order[b, j], s_t, controller.value, denom)
             loss.backward()
-            if stand_in:  # no finite clip in b: zeroed latents at weight 0, a zero gradient that
+            if stand_in:  # no finite video in b: zeroed latents at weight 0, a zero gradient that
                 continue  # joins FSDP's collectives (every rank runs every pass); nothing to log
-            stats.add(loss, terms)
-            kl = kl_pos_weight * terms['kl_pos'] + kl_vel_weight * terms['kl_vel']  # (n,)
-            kls.append(kl.mean().item())
-            g_sq += torch.stack([(terms[k] * terms['valid']).sum() for k in ('g_policy', 'g_kl')])
+            kls.append(stats.add(loss, terms))  # the micro-batch's mean KL
             if kl_update == 'backward' and math.isfinite(kls[-1]):  # released: the rank's own KL
                 controller.update(kls[-1])  # (ranks' lambdas differ; a checkpoint keeps rank 0's)
-        g_sq = parallel.total(g_sq)  # all ranks' (an sp group counts its clips on both sides)
-        r1 = (g_sq[1] / g_sq[0]).sqrt().item()  # KL/policy gradient ratio at lambda 1 (nan: no terms)
-        stats.ratio(controller.value * r1, updates_per_iter)  # kl_ratio_est: at this step's lambda
+        r1 = stats.kl_ratio(controller.value, updates_per_iter, device)  # at lambda 1; collective
         norm = clip_grad_norm(optimizers, grad_clip)  # in place; the norm of all ranks' shards
         stats.stepped(norm, updates_per_iter)
         skipped = nonfinite(norm, run.iter_num + 1)  # NaN or inf: no step, so no NaN weight
@@ -354,12 +354,12 @@ def update(clips, batch, steps, s_t):
             anchor.maybe_refresh(policy, run.opt_steps)  # every anchor_every steps (moving, dual)
     count_passes(run.passes, ('anchor', 'update'), device)
     return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group),
-                nonfinite_clips=finite.count(clips['finite'], device, dp_group))
+                nonfinite_clips=finite.count(videos['finite'], device, dp_group))
 
-def gradient_norms(clips, steps, s_t):
-    """extras/diagnostics.py's gradient norms of the first sp group's clip 0, 4 more passes."""
-    def terms_at(t):  # a fresh forward of clip 0 at step t
-        return step_loss(clips, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
+def gradient_norms(videos, steps, s_t):
+    """extras/diagnostics.py's gradient norms of the first sp group's video 0, 4 more passes."""
+    def terms_at(t):  # a fresh forward of video 0 at step t
+        return step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
     betas = kl_pos_weight, kl_vel_weight  # world: rank 0 of dp, whose gradient FSDP averaged
     norms = diagnostics.gradient_norms(terms_at, steps, s_t, controller.value, betas, optimizers,
                                        world if dp_rank == 0 else 0, preemption.point)
@@ -368,7 +368,7 @@ def gradient_norms(clips, steps, s_t):
 
 def log_iteration(scores, batch, row, diag, times):
     """metrics.jsonl's row of the iteration, and its line on the console."""
-    if credit == 'tvrl':  # the mean of each clip's largest credit, before the diagnostics
+    if credit == 'tvrl':  # the mean of each video's largest credit, before the diagnostics
         diag = dict(credit_peak=parallel.mean(scores['credit_peak'].mean(), device), **diag)
     log(dict(iter=run.iter_num, **diagnostics.reward_row(batch, reward.DIMS), **row, **diag,
              **{f'passes_{k}': n for k, n in run.passes.items()}, **times,
@@ -410,13 +410,13 @@ while run.iter_num < max_iters:
     parallel.reset_peak_memory(device)  # the logged peaks are this iteration's
     preemption.begin(run.save, controller, run.passes)  # a stop saves iteration `it`
     steps, s_t = trained_steps(it)                  # the SDE's steps, each trained; S_t (N,)
-    clips = rollout(it, steps)                      # G clips a prompt: each step's x_t and logp
+    videos = rollout(it, steps)                      # G videos a prompt: each step's x_t and logp
     t1 = time.time()
-    scores = score(clips, steps)                    # {'VQ', 'MQ', 'TA'}: (n,) each
+    scores = score(videos, steps)                    # {'VQ', 'MQ', 'TA'}: (n,) each
     t2 = time.time()
-    clips['adv'], clips['valid'], batch = advantages(scores)  # within each group; NaN: left out
-    diag = {} if not diag_every or it % diag_every else gradient_norms(clips, steps, s_t)  # off by default
-    row = update(clips, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
+    videos['adv'], videos['valid'], batch = advantages(scores)  # within each group; NaN: left out
+    diag = {} if not diag_every or it % diag_every else gradient_norms(videos, steps, s_t)  # off by default
+    row = update(videos, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
     run.iter_num = it = it + 1
     log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1,
                                                  t_update=time.time() - t2))

@@ -46,6 +46,7 @@ class UpdateStats:
         self.n, self.clip_range = n_terms, clip_range
         self.sums = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0,
                          skipped=0, drift=0.0, drift_n=0, drift_out=0, drift_max=0.0, kl_ratio_est=0.0)
+        self.g_sq = None  # this optimizer step's sum over its valid terms of ||d term / d mean||^2: policy, KL
 
     def drifted(self, d):
         """|logp_rollout - logp_recomputed| (n,) of some terms at theta_old."""
@@ -56,8 +57,11 @@ class UpdateStats:
         s['drift_max'] = max(s['drift_max'], d.max().item())
 
     def add(self, loss, terms):
-        """One micro-batch: its loss and its per-clip terms {'kl_pos', 'kl_vel', 'ratio', 'drift'} (n,)
-        (drift None: measured by the update's recomputation of the old log-probs)."""
+        """One micro-batch: its loss and its per-clip terms {'kl', 'kl_pos', 'kl_vel', 'ratio', 'drift',
+        'valid', 'g_policy', 'g_kl'} (n,) (drift None: measured by the update's recomputation of the old
+        log-probs). Returns the micro-batch's mean KL (the strategy's weighted sum: lambda_KL's input)."""
+        g = torch.stack([(terms[k] * terms['valid']).sum() for k in ('g_policy', 'g_kl')])
+        self.g_sq = g if self.g_sq is None else self.g_sq + g
         if terms.get('drift') is not None:
             self.drifted(terms['drift'])
         ratio_dev = (terms['ratio'] - 1).abs()  # vs clip_range; float noise at theta_old
@@ -67,10 +71,17 @@ class UpdateStats:
         s['kl_vel'] += terms['kl_vel'].sum().item() / self.n
         s['clipfrac'] += (ratio_dev > self.clip_range).float().sum().item() / self.n
         s['ratio_max'] = max(s['ratio_max'], ratio_dev.max().item())
+        return terms['kl'].mean().item()
 
-    def ratio(self, r, n_steps):
-        """One optimizer step's KL/policy gradient ratio at the transition means (already all ranks')."""
-        self.sums['kl_ratio_est'] += r / n_steps if math.isfinite(r) else 0.0  # nan: no valid clip
+    def kl_ratio(self, lam, n_steps, device):
+        """The KL/policy gradient ratio of this optimizer step at lambda 1, from every rank's terms since
+        the last call (docs/method.md 5.6; nan: no valid clip); lam times it is logged (kl_ratio_est).
+        Collective: every rank calls it once an optimizer step."""
+        g = parallel.total(self.g_sq if self.g_sq is not None else torch.zeros(2, device=device))
+        self.g_sq = None
+        r1 = (g[1] / g[0]).sqrt().item()  # an sp group counts its clips on both sides: the ratio stays
+        self.sums['kl_ratio_est'] += lam * r1 / n_steps if math.isfinite(r1) else 0.0
+        return r1
 
     def stepped(self, grad_norm, n_steps):
         """One optimizer step's gradient norm (a float, clip_grad_norm_'s), of n_steps this iteration;
