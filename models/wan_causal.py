@@ -66,9 +66,13 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
 
 
 def _strip(key):
-    for p in PREFIXES:
-        while key.startswith(p) and not key.startswith('model.diffusion_model.'):
-            key = key[len(p):]
+    # wrappers nest in any order (FSDP or DDP around the model. wrapper, compile around FSDP): strip
+    # until no prefix is left, not one pass in PREFIXES' order
+    while not key.startswith('model.diffusion_model.'):
+        p = next((p for p in PREFIXES if key.startswith(p)), None)
+        if p is None:
+            return key
+        key = key[len(p):]
     return key
 
 

@@ -7,7 +7,7 @@ python -m pytest tests/test_wan_causal_lora.py
 - a LoRA of a non-square weight (the feed-forward's 24 -> 32 and 32 -> 24) merges; its transpose (A of
   the output's width, B of the input's) is one SystemExit naming the module and both shapes;
 - a checkpoint's keys lose a wrapper's prefix (module., _orig_mod., _fsdp_wrapped_module., model.; nested
-  wrappers in another order than PREFIXES' keep one: an xfail, a bug reported in issue 61's note),
+  wrappers in any order),
   the entry is 'generator' unless one is named ('generator_ema'; one missing is a SystemExit naming what
   the file holds); peft's in-memory keys (.default) merge as the saved ones; half a pair is refused.
 """
@@ -128,9 +128,6 @@ def test_checkpoint_keys_wrappers_stripped_and_the_entry_picked(tmp_path):
         wan_causal.merge_lora(base, half)
 
 
-@pytest.mark.xfail(strict=True, reason='wan_causal._strip takes the prefixes in one pass, in PREFIXES order: '
-                                        'a wrapper outside another (FSDP or DDP around the model. wrapper, '
-                                        'compile around FSDP) keeps the inner prefix')
 def test_nested_wrappers_stripped_in_any_order(tmp_path):
     W = torch.zeros(DIM, DIM)
     file = os.path.join(tmp_path, 'ckpt.pt')
