@@ -76,6 +76,8 @@ from bench.toy_gradnorm import grad_clips  # noqa: E402,F401
 from bench.toy_ablations import (ablations, acting_kl_max, first_seed, only, reverse, seeds,  # noqa: E402,F401
                                  train_iters, train_prompts_per_iter)
 from bench.toy_cost import cost_iters  # noqa: E402,F401
+TRUST = {}  # config/toy_trust.py's settings: the headline's second run, the trust region where it acts
+exec(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config', 'toy_trust.py')).read(), {}, TRUST)
 _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --sections=1,2 stay strings
          f"{a.split('=')[0]}={a.split('=', 1)[1]!r}" if a.split('=')[0] in ('--sections', '--ablations') else a
          for a in sys.argv[1:]]
@@ -114,9 +116,12 @@ def section0():
     b = cell('s0_base' + ('_quick' if quick else ''), base)
     ov = dict(max_iters=1, prompts_per_iter=2, eval_every=1, save_every=0) if quick else {}
     run = C.train('s0_default' + ('_quick' if quick else ''), dict(ov, **TC.EXTRA))
+    # the trust region where it acts (bench/trust_region.py): lambda_KL held at 0.1, config/toy_trust.py
+    trust = C.train('s0_trust_0.1' + ('_quick' if quick else ''), dict(ov, **TC.EXTRA, **TRUST))
     with open(os.path.join(toy.DIR, 'pretrain.log')) as f:
         log = f.read().strip().split('\n')[-1]  # toy.py's last line: steps, time, final loss
-    R['0'] = dict(base=b, run=run and dict(evals=run['evals'], wall=run['wall']), pretrain=log)
+    R['0'] = dict(base=b, run=run and dict(evals=run['evals'], wall=run['wall']), pretrain=log,
+                  trust=trust and dict(evals=trust['evals'], wall=trust['wall']))
     cols = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'colour+direction right')
     fmt = lambda k, v: f'{100 * v:.0f}%' if k == 'colour+direction right' else f'{v:.3f}'
     rows = [[f'base, {TOY["num_steps"]} steps, shift {TOY["shift"]:g}, cfg {TOY["cfg"]:g} (the RL setting)'] + [fmt(k, b['rl'][k]) for k in cols],
@@ -126,22 +131,28 @@ def section0():
           f'The base model (`python -m models.toy`: {log.replace("done: ", "")}); ODE samples of the 16 held-out prompts x '
           f'{b["seeds"]} seeds; pure noise = decoded N(0, I) latents:', '',
           table(['sampling', 'VQ', 'MQ', 'TA', 'composite', 'manifold dist.', 'colour and direction right'], rows), '']
-    if run is not None:
-        e = {r['iter']: r for r in run['evals']}
-        first, last = e[min(e)], e[max(e)]
-        mid = ' -> '.join(f'{e[i]["composite"]:.3f} (iteration {i})' for i in sorted(e)[1:])
-        md += [f'`python train.py config/toy.py` (sage, eta 0.5, equalizer, dual KL, '
-               f'{max(e)} iterations of {TOY["prompts_per_iter"]} prompts x G={TOY["group_size"]}, lr '
-               f'{TOY["learning_rate"]:.0e}, cfg {TOY["cfg"]:g}; {int(run["wall"]) // 60} min {int(run["wall"]) % 60} s here on one CPU thread, '
-               f'one process): held-out composite ({TC.EVAL_PROMPTS} prompts x {TC.EXTRA.get("eval_samples", TOY["eval_samples"])} '
-               f'seeds of train.py\'s own; iteration 0 '
-               f'is the base model) '
-               f'**{first["composite"]:.3f} -> {mid}**; TA {first["TA"]:.2f} -> {last["TA"]:.2f} (colour '
-               f'{first["colour"]:.2f} -> {last["colour"]:.2f}, direction {first["direction"]:.2f} -> '
-               f'{last["direction"]:.2f}), MQ {first["MQ"]:.2f} -> {last["MQ"]:.2f}, VQ {first["VQ"]:.2f} -> '
-               f'{last["VQ"]:.2f}, manifold distance {first["manifold"]:.3f} -> {last["manifold"]:.3f}. '
-               + alarm_sentence(run['evals']), '']
+    for r, what in ((run, 'config/toy.py` (sage, eta 0.5, equalizer, dual KL'),
+                    (trust, 'config/toy.py config/toy_trust.py` (the same, lambda_KL held at 0.1')):
+        if r is not None:
+            md += [run_line(r, what), '']
     MD.extend(md)
+
+
+def run_line(run, what):
+    """A headline run's sentence: its held-out composite over the run, its components and the alarm."""
+    e = {r['iter']: r for r in run['evals']}
+    first, last = e[min(e)], e[max(e)]
+    mid = ' -> '.join(f'{e[i]["composite"]:.3f} (iteration {i})' for i in sorted(e)[1:])
+    return (f'`python train.py {what}, '
+            f'{max(e)} iterations of {TOY["prompts_per_iter"]} prompts x G={TOY["group_size"]}, lr '
+            f'{TOY["learning_rate"]:.0e}, cfg {TOY["cfg"]:g}; {int(run["wall"]) // 60} min {int(run["wall"]) % 60} s here on one '
+            f'CPU thread, one process): held-out composite ({TC.EVAL_PROMPTS} prompts x '
+            f'{TC.EXTRA.get("eval_samples", TOY["eval_samples"])} seeds of train.py\'s own; iteration 0 is the base model) '
+            f'**{first["composite"]:.3f} -> {mid}**; TA {first["TA"]:.2f} -> {last["TA"]:.2f} (colour '
+            f'{first["colour"]:.2f} -> {last["colour"]:.2f}, direction {first["direction"]:.2f} -> '
+            f'{last["direction"]:.2f}), MQ {first["MQ"]:.2f} -> {last["MQ"]:.2f}, VQ {first["VQ"]:.2f} -> '
+            f'{last["VQ"]:.2f}, manifold distance {first["manifold"]:.3f} -> {last["manifold"]:.3f}. '
+            + alarm_sentence(run['evals']))
 
 
 def alarm_sentence(evals):
@@ -272,7 +283,7 @@ with open(os.path.join(out, 'bench.json'), 'w') as f:
 def readme_block():
     """The README's headline figures, from this run's results: the default run and Fig. 4, a line each;
     every table and the other findings are results/README.md's."""
-    run = [l for l in by_num.get('0', []) if l.startswith('`python train.py config/toy.py`')]
+    run = [l for l in by_num.get('0', []) if l.startswith('`python train.py config/toy.py')]
     return ['- ' + l for l in run] + [f for f in found if f.startswith('- *Fig. 4*')]
 
 
