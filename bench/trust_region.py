@@ -202,8 +202,36 @@ def report(cs):
         rows.append([label(a), cis['composite']['n']] + [P.shown(cis[m], m) for m in METRICS] +
                     ['yes' if keeps else 'no' if cell['n'] else '-'])
     md += [table(['cell', 'seeds'] + [f'Δ {m} vs dual @ paper' for m in METRICS] + ['VQ, manifold >= base'], rows), '']
+    md += watchers(res, runs)
     md += ratio_section(res, runs)
     return res, md
+
+
+WATCHED = ('saturation', 'brightness', 'edges', 'entropy', 'flicker')  # the frame watchers of models/evaluate.py
+
+
+def watchers(res, runs):
+    """The alarm's frame watchers at a run's last evaluation against the base model's and the clean renders'
+    (the data): a watcher the alarm names may be moving toward the data (the base is off it) or past it."""
+    import torch
+    from models import evaluate, toy
+    prompts = [p for p in toy.all_prompts() if toy.is_eval_prompt(p) for _ in range(toy.EVAL_SEEDS)]
+    clean = evaluate.frame_stats(torch.stack([toy.render(p, i) for i, p in enumerate(prompts)]))
+    data = {k: clean[k].mean().item() for k in WATCHED}
+    rows, out = [['clean renders (the data)'] + [f'{data[k]:.4f}' for k in WATCHED]], dict(data=data)
+    base = [r['evals'][0] for rs in runs.values() for r in rs if r]
+    out['base'] = {k: sum(e[k] for e in base) / len(base) for k in WATCHED}
+    rows.append(['the base model (iteration 0)'] + [f'{out["base"][k]:.4f}' for k in WATCHED])
+    for k, rs in runs.items():
+        ok = [r for r in rs if r]
+        if ok and k[0] in ('dual', 'none'):
+            out[label(k)] = {m: sum(r['evals'][-1][m] for r in ok) / len(ok) for m in WATCHED}
+            rows.append([f'{label(k)}, iteration {P.iters} ({len(ok)} seeds)'] + [f'{out[label(k)][m]:.4f}' for m in WATCHED])
+    res['watchers'] = out
+    return ['## What the alarm watches, against the data', '',
+            'The alarm compares each evaluation with the base model\'s; the base model is not the data. The watchers '
+            'at the last evaluation (mean over seeds), beside the base model\'s and the clean renders\' of the same '
+            'held-out prompts:', '', table(['', *WATCHED], rows), '']
 
 
 def identity(runs, res):
@@ -275,11 +303,14 @@ def readme_lines(res):
         c = res['cells'][label(('dual', lam))]
         return (f'{at} ({c["kl_grad_ratio"]:.0e}): Δ composite '
                 f'{V.fmt(ci)} over {ci["n"]} seeds, VQ {c["VQ"]:.3f}, manifold {c["manifold"]:.4f}')
-    b = res['base']
+    b, w = res['base'], res['watchers']
+    sat = '; '.join(f'{k} {w[k]["saturation"]:.3f}' for k in (label(('dual', PAPER)), label(('dual', LAMS[0]))) if k in w)
     return [f'- *The trust region* (`python -m bench.trust_region`, 60 iterations of 8 prompts): dual KL against none by '
             f'paired seeds, at lambda_KL (its KL/policy gradient ratio in brackets) {"; ".join(part(l) for l in [PAPER] + LAMS)} '
             f'(base model: VQ {b["VQ"]:.3f}, manifold {b["manifold"]:.4f}). At the paper\'s lambda it does not act; moving '
-            'is dual\'s run at the defaults (the exact velocity KL is 0 at theta_old). '
+            'is dual\'s run at the defaults (the exact velocity KL is 0 at theta_old). The alarm names saturation in every '
+            f'run, but it compares with the base model ({w["base"]["saturation"]:.3f}), not the data (clean renders '
+            f'{w["data"]["saturation"]:.3f}): at iteration {P.iters} {sat}. '
             '[results/trust_region.md](results/trust_region.md), docs/method.md 5.6.']
 
 
