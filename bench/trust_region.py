@@ -158,14 +158,19 @@ def report(cs):
         al = [alarm(P.name(cs[k], s), r) if r else None for s, r in enumerate(rs)]
         tripped = [a for a in al if isinstance(a, dict)]
         recorded = [a for a in al if a is not None and a != 'not recorded']
+        train = {t: mean([mean([i[t] for i in r['iters'][-10:]]) if t == 'reward' else mean([i[t] for i in r['iters']])
+                          for r in ok]) for t in ('reward', 'group_std', 'kl_pos')}  # the training run's own
         res['cells'][label(k)] = dict(overrides=cs[k], n=len(ok), kl_grad_ratio=diag, kl_ratio_est=est,
-                                      alarm=al, **vals)
+                                      alarm=al, train=train, **vals)
         rows.append([label(k), len(ok) or 'not run'] + [fmt(vals[m], 4 if m == 'manifold' else 3) for m in METRICS] +
-                    [fmt(diag, 'e'), f'{len(tripped)}/{len(recorded)}' if recorded else '-',
+                    [fmt(train['reward']), fmt(train['group_std']), fmt(train['kl_pos'], 'e'),
+                     fmt(diag, 'e'), f'{len(tripped)}/{len(recorded)}' if recorded else '-',
                      '; '.join(f's{s}: {P.alarm_text(a)}' for s, a in enumerate(al) if isinstance(a, dict)) or '-'])
-    md += ['**Every cell** (mean over its seeds; KL/policy: the 4-pass gradient ratio of one clip, every 3rd iteration; '
-           'alarm: runs whose reward-hacking alarm tripped / runs with it recorded):', '',
-           table(['cell', 'seeds', 'composite', 'VQ', 'MQ', 'TA', 'manifold', 'KL/policy', 'alarm', 'where it tripped'], rows), '']
+    md += ['**Every cell** (mean over its seeds; held-out: composite to manifold; training: the reward of the last 10 '
+           'iterations, the within-group reward std and the position KL over the run; KL/policy: the 4-pass gradient ratio '
+           'of one clip, every 3rd iteration; alarm: runs whose reward-hacking alarm tripped / runs with it recorded):', '',
+           table(['cell', 'seeds', 'composite', 'VQ', 'MQ', 'TA', 'manifold', 'train reward', 'group std', 'KL pos',
+                  'KL/policy', 'alarm', 'where it tripped'], rows), '']
     md += identity(runs, res)
     for lam in strengths:
         pairs = [(('dual', lam), ('none', PAPER))]  # Fig. 8 at the defaults: dual (= moving) vs none (= stepwise)
