@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 
-FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy', 'WanCausalPipeline': 'wan_causal', 'ToyWorldAR': 'toy_ar'}  # _class_name -> file
+FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy', 'WanCausalPipeline': 'wan_causal', 'ToyWorldAR': 'toy_ar', 'ToyWorldSF': 'toy_sf'}  # _class_name -> file
 DEFAULT = 'hunyuan15'  # the family a directory that is not one is most likely meant to be
 
 INTERFACE = {  # item: what it is
