@@ -106,10 +106,12 @@ from models import policy
 log = dict(rollouts=[], losses=[])
 sample, step, add = policy.sample, sde.step, diagnostics.UpdateStats.add
 seen = {}
-def sampled(*args, keep=False, window=None, **kw):
-    x, rec = sample(*args, keep=keep, window=window, **kw)
+def sampled(*args, keep=False, window=None, **kw):  # the rollout keeps no stds at the defaults: asked for here
+    x, rec = sample(*args, keep=tuple(keep) + ('stds',) * ('stds' not in keep) if keep else keep, window=window, **kw)
     if keep:
         log['rollouts'].append(dict(window=list(window), stds=rec['stds'].tolist(), logps=rec['logps'].tolist()))
+        if 'stds' not in keep:
+            del rec['stds']  # train.py gets what it asked for
     return x, rec
 def stepped(*args, **kw):
     out = step(*args, **kw)

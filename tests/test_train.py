@@ -247,6 +247,8 @@ def run_here(monkeypatch, args, check=True):
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, 'argv', args)
     monkeypatch.setattr(preemption, 'Preemption', NoPreemption)
+    from models import policy
+    monkeypatch.setattr(policy, 'PASSES', [0, 0])  # as a new process: earlier tests' forwards are not train.py's
     printed = io.StringIO()
 
     class Tee(io.TextIOBase):  # what it prints: kept, and on this process's stdout (capsys reads it)
