@@ -260,6 +260,7 @@ def test_bf16_training_rounds_away_small_steps(lora_model):
 
 
 # ----------------------------------------------------------------------------- the loop
+@pytest.mark.slow  # the whole loop with every released choice on (~40 s): each choice has its own fast test above
 def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
     from test_train import metrics
     out, held = str(tmp_path / 'run'), str(tmp_path / 'eval.txt')
