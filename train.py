@@ -293,7 +293,8 @@ def step_loss(videos, b, t, s_t, lam, denom):
     per_video = policy_term + lam * kl                                           # (n,)
     drift = (new.logp.detach() - videos['logps'][b, t]).abs() if on_policy else None  # vs rollout
     # what each term asks of the transition mean, per video (n,): the logged KL/policy ratio (5.6)
-    g_policy, g_kl = (tr.output_grad_sq(x, new.mean) for x in (policy_term, kl))
+    g_policy, g_kl = (tr.output_grad_sq(x, new.mean) if kl_pos_weight or kl_vel_weight  # no KL: no ratio
+                      else torch.zeros(len(b), device=device) for x in (policy_term, kl))
     terms = dict(policy=policy_term, kl=kl, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv,
                  valid=videos['valid'][b], drift=drift, g_policy=g_policy, g_kl=g_kl)
     # a NaN-reward video drops out whole; where(), not a product: 0 * NaN would leak in

@@ -335,3 +335,5 @@ if __name__ == '__main__':
     C.write_report(os.path.join(out, 'trust_region'), res, md)
     if out == 'results':
         C.put_block('README.md', 'bench.trust_region', readme_lines(res))
+        C.put_block(os.path.join(out, 'README.md'), 'bench.trust_region',  # the figures the README quotes, kept here too
+                    ['## 12. The trust region where it acts (`python -m bench.trust_region`)', ''] + readme_lines(res))
