@@ -152,16 +152,17 @@ LORA_TARGETS = wan.LORA_TARGETS
 reward, manifold_distance, text_encoder = toy.reward, toy.manifold_distance, toy.text_encoder
 
 
-def load_transformer(path, meta=False, attention=None, backend='native'):
-    sub = os.path.join(path, 'transformer')
+def load_transformer(path, meta=False, attention=None, backend='native', cls=None, layout=None):
+    # cls, layout: another streaming toy's (models/toy_sf.py), the same loading
+    cls, layout, sub = cls or ToyARTransformer, layout or LAYOUT, os.path.join(path, 'transformer')
     if meta:
         with torch.device('meta'):
-            net = ToyARTransformer.from_config(ToyARTransformer.load_config(sub))
+            net = cls.from_config(cls.load_config(sub))
     else:
-        net = ToyARTransformer.from_pretrained(sub, torch_dtype=torch.float32).eval()
+        net = cls.from_pretrained(sub, torch_dtype=torch.float32).eval()
     for b in net.blocks:
         b.attn1.processor._attention_backend = b.attn2.processor._attention_backend = dispatcher_backend(backend)
-    return streaming.install(net, LAYOUT)
+    return streaming.install(net, layout)
 
 
 def blocks(net):

@@ -46,7 +46,6 @@ import torch
 import torch.nn.functional as F
 
 from models import policy, streaming, toy, toy_ar
-from models.attention import backend as dispatcher_backend
 from models.wan_causal import CausalWanTransformer3DModel
 
 # ----------------------------------------------------------------------------- settings
@@ -350,15 +349,7 @@ blocks, forward, generate, load_decoder, latent_shape, cp_plan = (
 
 
 def load_transformer(path, meta=False, attention=None, backend='native'):
-    sub = os.path.join(path, 'transformer')
-    if meta:
-        with torch.device('meta'):
-            net = ToySFTransformer.from_config(ToySFTransformer.load_config(sub))
-    else:
-        net = ToySFTransformer.from_pretrained(sub, torch_dtype=torch.float32).eval()
-    for b in net.blocks:
-        b.attn1.processor._attention_backend = b.attn2.processor._attention_backend = dispatcher_backend(backend)
-    return streaming.install(net, LAYOUT)
+    return toy_ar.load_transformer(path, meta, attention, backend, cls=ToySFTransformer, layout=LAYOUT)
 
 
 if __name__ == '__main__':
