@@ -1,18 +1,28 @@
 """
-KVPO against GRPO with an SDE on the same AR model (the baseline KVPO's abstract sets itself against) and
-against the untrained model, paired by seed, on the AR toy. For each seed s both loops run `iters`
-iterations with seed s: kvpo/train.py kvpo/config/toy.py and kvpo/grpo_ar.py kvpo/config/grpo_toy.py (the
-same prompts an iteration, lr, EMA, warm-up, clip and held-out items); the untrained model is their
-common evaluation at iteration 0. Per seed: the held-out composite, VQ, MQ, TA, manifold distance and
-colour entropy of the final evaluation (the EMA weights); the paired differences' mean and 95% t interval
-over the seeds (bench/verdicts.py's paired); whether models/evaluate.py's alarm fired in the run. And an
-experiment on why KVPO degrades the toy: KVPO whose replay sees each branch's own routing (replay_routed).
+KVPO decided on the distilled streaming toy (models/toy_sf.py: the released 4-step sampler): against GRPO with
+a SAGE SDE on the same model and against the untrained model, paired by seed, at the toy's learning rate and at
+the released one. First the control every verdict rests on: each method's real advantages against the same run
+with each group's advantages permuted at random (`--adv_shuffle=True`: the same values, update size, gate and
+statistics, no assignment of reward to clips). A method whose real advantages do not raise its own training reward
+above its shuffled control's is not learning from the reward at that batch, and its held-out verdict says nothing
+about the method.
 
-    python -m bench.kvpo_verdicts [--seeds=3] [--iters=30]   # writes results/kvpo_verdicts.md/.json (~40 min)
-    python -m bench.kvpo_verdicts --run=False                # only the report, from results/runs/kvpo_verdicts
+Every run: `python -m kvpo.train kvpo/config/toy_sf.py` or `python -m kvpo.grpo_ar kvpo/config/grpo_toy_sf.py`
+with `--seed=s` (the same prompts an iteration, initial noises and held-out items in every run of a seed), 4
+prompts x K = G = 6 an iteration, 30 iterations, EMA 0.9, held-out every 10 (16 prompts x 1 seed, the EMA
+weights, the model's own 4-step sampler). Per cell and seed: the training reward (the rollouts' mean composite,
+the last `tail` iterations: the same prompts and noises in a pair, so paired iteration by iteration), KVPO's
+anchor (the unrouted policy's own sample), the held-out composite, VQ, MQ, TA, manifold distance and entropy at
+the end, the alarm. The untrained model is the evaluation at iteration 0 (identical in every run of a seed).
 
-Runs live in results/runs/kvpo_verdicts/ (not committed); a run whose final evaluation is there is not rerun.
-Tested by: running it (the toy's numbers are in results/kvpo_verdicts.md).
+    python -m bench.kvpo_verdicts                       # every run, one process (~2 h on one thread)
+    python -m bench.kvpo_verdicts --workers=2 --worker=0   # with --worker=1 beside it: 2 cores
+    python -m bench.kvpo_verdicts --run=False           # only the report: results/kvpo_verdicts.md/.json
+
+Runs live in results/runs/kvpo_verdicts_sf/ (not committed); a run whose final evaluation is there is not rerun.
+The AR toy's verdicts of the previous round are in git history (results/kvpo_verdicts.md before this file).
+Tested by: running it (the numbers are in results/kvpo_verdicts.md); the control's switch by
+tests/test_kvpo_shuffle.py.
 """
 import json
 import os
@@ -28,121 +38,150 @@ _argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts reads the command lin
 from bench.verdicts import fmt, paired, verdict  # noqa: E402  the paired-seed statistics
 sys.argv = _argv
 
-seeds = 3                       # seeds 0..seeds-1, each a KVPO and a GRPO-SDE run
-iters = 30                      # iterations of every run (kvpo/config/toy.py's)
-eval_every = 10                 # held-out evaluations (16 prompts x 1 seed, the EMA weights)
+seeds = 5                       # seeds 0..seeds-1 of every cell
+iters = 30                      # iterations of every run
+eval_every = 10                 # held-out evaluations
+tail = 10                       # the training reward of a run's end: its last `tail` iterations
+prompts_per_iter = 4            # the batch: prompts an iteration (x K = G = 6 clips)
+lrs = ('1e-4', '1e-5')          # the toy's learning rate, then the released one
+workers, worker = 1, 0          # run every workers-th run from the worker-th (one process a core)
 run = True                      # False: only the report
-RUNS, OUT = 'results/runs/kvpo_verdicts', 'results/kvpo_verdicts'
-METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy.py'],
-           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py'],
-           # an experiment, not released: TVE replays each branch under its own routing (kvpo/train.py)
-           'KVPO routed replay': ['-m', 'kvpo.train', 'kvpo/config/toy.py', '--replay_routed=True'],
-           'GRPO-SDE lr 1e-5': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', '--learning_rate=1e-5'],
-           'KVPO lr 1e-5': ['-m', 'kvpo.train', 'kvpo/config/toy.py', '--learning_rate=1e-5']}
-MAIN = ('KVPO', 'GRPO-SDE')     # seed-major first; then each experiment over its seeds
-PAIRS = [('KVPO', 'untrained'), ('GRPO-SDE', 'untrained'), ('KVPO', 'GRPO-SDE'),
-         ('KVPO routed replay', 'KVPO'), ('GRPO-SDE lr 1e-5', 'untrained'), ('KVPO lr 1e-5', 'untrained'),
-         ('KVPO lr 1e-5', 'GRPO-SDE lr 1e-5')]
+RUNS, OUT = 'results/runs/kvpo_verdicts_sf', 'results/kvpo_verdicts'
+METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy_sf.py'],
+           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy_sf.py']}
 METRICS = dict(composite=1, VQ=1, MQ=1, TA=1, manifold=-1, entropy=1)  # +1: higher is better, -1: lower
 
 
-def rows_of(name):
-    path = os.path.join(RUNS, name, 'metrics.jsonl')
+def cell(m, lr, shuffled):
+    return f'{m} lr {lr}' + (', shuffled' if shuffled else '')
+
+
+def name(c, s):
+    return f'{c.replace(" ", "_").replace(",", "")}_b{prompts_per_iter}_s{s}'
+
+
+def rows_of(c, s):
+    path = os.path.join(RUNS, name(c, s), 'metrics.jsonl')
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
-def done(name):
-    return any(r['iter'] == iters and 'eval_composite' in r for r in rows_of(name))
+def done(c, s):
+    return any(r['iter'] == iters and 'eval_composite' in r for r in rows_of(c, s))
 
 
-def train(method, s):
-    name = f'{method}_s{s}'
-    if done(name):
+def train(m, lr, shuffled, s):
+    c = cell(m, lr, shuffled)
+    if done(c, s):
         return
-    d = os.path.join(RUNS, name)
+    d = os.path.join(RUNS, name(c, s))
     shutil.rmtree(d, ignore_errors=True)
     t0 = time.time()
-    p = subprocess.run([sys.executable] + METHODS[method] + [
-        f'--seed={s}', f'--out_dir={d}', f'--max_iters={iters}', f'--eval_every={eval_every}', '--save_every=0'],
+    p = subprocess.run([sys.executable] + METHODS[m] + [
+        f'--seed={s}', f'--out_dir={d}', f'--max_iters={iters}', f'--eval_every={eval_every}', '--save_every=0',
+        f'--learning_rate={lr}', f'--prompts_per_iter={prompts_per_iter}', f'--adv_shuffle={shuffled}'],
         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     with open(os.path.join(d, 'log.txt'), 'w') as f:
         f.write(p.stdout[-20000:] + p.stderr[-20000:])
     if p.returncode:
-        raise RuntimeError(f'{name} failed:\n{p.stderr[-3000:]}')
+        raise RuntimeError(f'{c} seed {s} failed:\n{p.stderr[-3000:]}')
     shutil.rmtree(os.path.join(d, 'ckpt'), ignore_errors=True)
-    print(f'{name}: {time.time() - t0:.0f}s', flush=True)
+    print(f'{c} seed {s}: {time.time() - t0:.0f}s', flush=True)
 
 
-def summary(name):
-    """The run's held-out evaluations {iter: {metric: value}}, whether the alarm fired, its seconds an iteration
-    and its training rewards (mean of the first and last 10 iterations)."""
-    rs = rows_of(name)
-    evals = {r['iter']: {k: r[f'eval_{k}'] for k in METRICS} for r in rs if 'eval_composite' in r}
+def summary(c, s):
+    """A finished run's held-out evaluations {iter: {metric: value}}, its training rewards an iteration (and KVPO's
+    anchor's), the alarm and its seconds an iteration."""
+    rs = rows_of(c, s)
     its = [r for r in rs if 'loss' in r]
-    return dict(evals=evals, alarm=sorted({k for r in rs for k in r.get('alarm', [])}),
-                flagged=sorted({k for r in rs for k in r.get('watch_flagged', [])}),
-                sec=sum(r['t_rollout'] + r['t_update'] for r in its) / len(its),
-                train_first=sum(r['reward'] for r in its[:10]) / 10, train_last=sum(r['reward'] for r in its[-10:]) / 10)
+    return dict(evals={r['iter']: {k: r[f'eval_{k}'] for k in METRICS} for r in rs if 'eval_composite' in r},
+                reward=[r['reward'] for r in its], anchor=[r['anchor_local'] for r in its if 'anchor_local' in r],
+                alarm=sorted({k for r in rs for k in r.get('alarm', [])}),
+                sec=sum(r['t_rollout'] + r['t_update'] for r in its) / len(its))
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else float('nan')
 
 
 def report():
-    runs = {m: {s: summary(f'{m}_s{s}') for s in range(seeds) if done(f'{m}_s{s}')} for m in METHODS}
-    evals = {m: {s: r['evals'][iters] for s, r in v.items()} for m, v in runs.items()}
-    cells = {'untrained': {s: r['evals'][0] for v in runs.values() for s, r in v.items()}, **evals}
-    same = all(abs(runs['KVPO'][s]['evals'][0]['composite'] - r['evals'][0]['composite']) < 1e-6
-               for v in runs.values() for s, r in v.items() if s in runs['KVPO'])  # one model, the same items
-    res = dict(config=dict(seeds=seeds, iters=iters, eval_every=eval_every), per_seed=cells, paired={},
-               runs={m: {s: {k: r[k] for k in ('alarm', 'flagged', 'sec', 'train_first', 'train_last')}
-                         for s, r in v.items()} for m, v in runs.items()})
-    for a, b in PAIRS:  # over the seeds both have, signed so that positive = a is better
-        ss = sorted(set(cells[a]) & set(cells[b]))
-        res['paired'][f'{a} vs {b}'] = {k: paired([sg * cells[a][s][k] for s in ss], [sg * cells[b][s][k] for s in ss])
-                                        for k, sg in METRICS.items()}
-    mean = lambda c, k: sum(e[k] for e in cells[c].values()) / max(1, len(cells[c]))  # noqa: E731
-    verdicts = {p: verdict(v['composite']) for p, v in res['paired'].items()}
-    md = ['## KVPO vs GRPO with an SDE vs the untrained model, paired seeds (AR toy)', '',
-          f'Written by `python -m bench.kvpo_verdicts` ({iters} iterations a run, one CPU thread): '
-          '`python -m kvpo.train kvpo/config/toy.py` and `python -m kvpo.grpo_ar kvpo/config/grpo_toy.py` with '
-          '`--seed=s`: the same model, prompts an iteration (4), group (K = G = 6), lr 1e-4, warm-up, gradient clip, '
-          'EMA 0.9 and held-out items (16 prompts x 1 seed, block by block, the EMA weights). The untrained model is '
-          f'their evaluation at iteration 0 ({"identical in every run of a seed" if same else "NOT identical"}); '
-          f'the others their evaluation at iteration {iters}. Experiments, not released settings: "KVPO routed '
-          'replay" (`--replay_routed=True`: TVE replays each branch under its own routing) and both methods at the '
-          'released lr 1e-5.', '',
-          '**Per cell** (mean over its seeds):', '',
-          table(['cell', 'seeds'] + list(METRICS), [[c, len(v)] + [f'{mean(c, k):.4f}' for k in METRICS]
-                                                      for c, v in cells.items() if v]), '',
-          '**Paired differences** (per seed, a - b, signed so that **positive = a is better**: higher composite, VQ, '
-          'MQ, TA, colour entropy; lower manifold distance); mean [95% t interval]; a claim holds if the interval is '
-          'above 0, fails if below, cannot be told if it spans 0:', '',
-          table(['a', 'b', 'seeds'] + [f'Δ {k}' for k in METRICS],
-                [[a, b, res['paired'][f'{a} vs {b}']['composite']['n']]
-                 + [f'{fmt(res["paired"][f"{a} vs {b}"][k], 4 if k == "manifold" else 3)} '
-                    f'{verdict(res["paired"][f"{a} vs {b}"][k])}' for k in METRICS] for a, b in PAIRS
-                 if res['paired'][f'{a} vs {b}']['composite']['n']]), '',
-          '**Per run** (held-out composite at iteration 0 -> the last; the alarm; seconds an iteration; the training '
-          'rollouts\' mean composite, iterations 1-10 -> the last 10):', '',
-          table(['run', 'seed', 'composite', 'alarm', 's/iter', 'training reward'],
-                [[m, s, f'{cells["untrained"][s]["composite"]:.4f} -> {evals[m][s]["composite"]:.4f}',
-                  ', '.join(r['alarm']) or 'silent', f'{r["sec"]:.1f}', f'{r["train_first"]:.3f} -> {r["train_last"]:.3f}']
-                 for m, v in runs.items() for s, r in v.items()]), '']
-    k_vs_g = res['paired']['KVPO vs GRPO-SDE']['composite']
-    md += [f'Verdict (held-out composite): KVPO beats GRPO-SDE: **{verdicts["KVPO vs GRPO-SDE"]}** ({fmt(k_vs_g)}); '
-           f'KVPO beats the untrained model: **{verdicts["KVPO vs untrained"]}**; GRPO-SDE beats the untrained model: '
-           f'**{verdicts["GRPO-SDE vs untrained"]}**. Experiments: ' + '; '.join(
-               f'{p}: **{v}**' for p, v in verdicts.items() if p.split(' vs ')[0] not in MAIN and v != 'not run') + '.', '']
-    res['verdict'] = md[-2]
+    runs = {cell(m, lr, sh): {s: summary(cell(m, lr, sh), s) for s in range(seeds) if done(cell(m, lr, sh), s)}
+            for lr in lrs for m in METHODS for sh in (False, True)}
+    res = dict(config=dict(seeds=seeds, iters=iters, eval_every=eval_every, tail=tail,
+                           prompts_per_iter=prompts_per_iter, lrs=lrs), control={}, held_out={}, runs={})
+    md = ['## KVPO decided on the distilled streaming toy: the shuffled control first, then the verdicts', '',
+          f'Written by `python -m bench.kvpo_verdicts` ({iters} iterations a run, one CPU thread a run): '
+          '`python -m kvpo.train kvpo/config/toy_sf.py` and `python -m kvpo.grpo_ar kvpo/config/grpo_toy_sf.py` '
+          f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `assets/toy_sf` (the released '
+          '4-step sampler; KVPO routes, GRPO-SDE injects SAGE noise in its 4 steps and trains 2), EMA 0.9, '
+          'held-out: 16 prompts x 1 seed, the EMA weights, the model\'s own sampler. "shuffled": '
+          '`--adv_shuffle=True`, each group\'s advantages permuted at random (same values, update size and gate, '
+          'no assignment of reward to clips).', '',
+          f'### 1. The control: real advantages vs shuffled, paired by seed (training reward: the rollouts\' mean '
+          f'composite over the last {tail} iterations, the same prompts and noises in a pair)', '']
+    rows = []
+    for lr in lrs:
+        for m in METHODS:
+            real, shuf = runs[cell(m, lr, False)], runs[cell(m, lr, True)]
+            ss = sorted(set(real) & set(shuf))
+            if not ss:
+                continue
+            ci = {k: paired([mean(real[s][k][-tail:]) for s in ss], [mean(shuf[s][k][-tail:]) for s in ss])
+                  for k in ('reward', 'anchor') if all(real[s][k] for s in ss)}
+            ci['held-out'] = paired([real[s]['evals'][iters]['composite'] for s in ss],
+                                    [shuf[s]['evals'][iters]['composite'] for s in ss])
+            res['control'][f'{m} lr {lr}'] = ci
+            first = mean([mean(real[s]['reward'][:tail]) for s in ss])
+            rows.append([m, lr, len(ss), f'{first:.3f}', f'{mean([mean(real[s]["reward"][-tail:]) for s in ss]):.3f}',
+                         f'{mean([mean(shuf[s]["reward"][-tail:]) for s in ss]):.3f}',
+                         f'{fmt(ci["reward"])} **{verdict(ci["reward"])}**',
+                         f'{fmt(ci["anchor"])} {verdict(ci["anchor"])}' if 'anchor' in ci else '-',
+                         f'{fmt(ci["held-out"])} {verdict(ci["held-out"])}'])
+    md += [table(['method', 'lr', 'seeds', f'training reward, first {tail}', f'last {tail}, real',
+                  f'last {tail}, shuffled', 'Δ real - shuffled', 'Δ anchor (KVPO: the unrouted sample)',
+                  'Δ held-out composite'], rows), '']
+    learns = {k: verdict(v['reward']) == 'holds' for k, v in res['control'].items()}
+    md += ['A method learns from the reward at this batch where Δ real - shuffled holds: ' + '; '.join(
+        f'{k}: **{"learns" if v else "does not beat its control"}**' for k, v in learns.items()) + '.', '']
+    md += ['### 2. The verdicts: KVPO vs GRPO-SDE vs the untrained model (held-out, the final EMA weights)', '',
+           'Paired differences a - b per seed, signed so that **positive = a is better** (higher composite, VQ, MQ, '
+           'TA, colour entropy; lower manifold distance); mean [95% t interval]; holds if above 0, fails if below:', '']
+    prs = []
+    for lr in lrs:
+        ev = {m: {s: r['evals'][iters] for s, r in runs[cell(m, lr, False)].items()} for m in METHODS}
+        ev['untrained'] = {s: r['evals'][0] for m in METHODS for s, r in runs[cell(m, lr, False)].items()}
+        for a, b in (('KVPO', 'untrained'), ('GRPO-SDE', 'untrained'), ('KVPO', 'GRPO-SDE')):
+            ss = sorted(set(ev[a]) & set(ev[b]))
+            if not ss:
+                continue
+            ci = {k: paired([sg * ev[a][s][k] for s in ss], [sg * ev[b][s][k] for s in ss]) for k, sg in METRICS.items()}
+            res['held_out'][f'{a} vs {b}, lr {lr}'] = ci
+            prs.append([lr, a, b, len(ss)] + [f'{fmt(ci[k], 4 if k == "manifold" else 3)} {verdict(ci[k])}'
+                                              for k in METRICS])
+        res['held_out'][f'cells, lr {lr}'] = {c: {k: mean([e[k] for e in v.values()]) for k in METRICS}
+                                              for c, v in ev.items()}
+    md += [table(['lr', 'a', 'b', 'seeds'] + [f'Δ {k}' for k in METRICS], prs), '',
+           '**Per cell** (mean over its seeds; held-out at the end):', '',
+           table(['lr', 'cell'] + list(METRICS), [[lr, c] + [f'{v[k]:.4f}' for k in METRICS]
+                                                  for lr in lrs for c, v in res['held_out'][f'cells, lr {lr}'].items()]),
+           '', '**Per run** (held-out composite at iteration 0 -> the last; training reward first -> last '
+           f'{tail} iterations; the alarm; seconds an iteration):', '',
+           table(['cell', 'seed', 'held-out', 'training reward', 'alarm', 's/iter'],
+                 [[c, s, f'{r["evals"][0]["composite"]:.4f} -> {r["evals"][iters]["composite"]:.4f}',
+                   f'{mean(r["reward"][:tail]):.3f} -> {mean(r["reward"][-tail:]):.3f}',
+                   ', '.join(r['alarm']) or 'silent', f'{r["sec"]:.1f}'] for c, v in runs.items() for s, r in v.items()]),
+           '']
+    res['runs'] = {c: {s: {k: r[k] for k in ('reward', 'anchor', 'alarm', 'sec')} | {'evals': r['evals']}
+                       for s, r in v.items()} for c, v in runs.items()}
+    res['learns'] = learns
     write_report(OUT, res, md)
 
 
 if __name__ == '__main__':
     configure(globals())
     os.makedirs(RUNS, exist_ok=True)
-    if run:
-        for s in range(seeds):  # seed-major: a stop leaves both methods at the same seeds
-            for m in MAIN:
-                train(m, s)
-        for m in METHODS:  # the experiments, one after another (a report counts the seeds each pair has)
-            for s in range(seeds):
-                train(m, s)
+    if run:  # the toy's lr first, seed-major: a stop leaves every cell at the same seeds
+        order = [(m, lr, sh, s) for lr in lrs for s in range(seeds) for m in METHODS for sh in (False, True)]
+        for i, job in enumerate(order):
+            if i % workers == worker:
+                train(*job)
     report()

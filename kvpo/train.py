@@ -70,6 +70,7 @@ kl_coef = 10.0                  # weight of KL(pi_theta || pi_init) on the branc
 branch_backward = True          # backprop one branch's replay at a time (exact, one more replay; released: all)
 activation_checkpointing = True  # recompute a replay forward's activations in backward (released: on)
 replay_routed = False           # True: TVE replays a branch under its own routing (not released: an experiment)
+adv_shuffle = False             # a control, not the method: permute each video's K advantages at random (seeded)
 gate = 'mechanism_2'            # unsafe prompt: 'mechanism_2' anchor slot (loss x 1/2) | 'mechanism_1' loss 0
 old_every = 2                   # iterations between syncs of the old (rollout) policy
 learning_rate = 1e-5            # AdamW, constant after the warm-up
@@ -176,7 +177,7 @@ def rollout(it, j, prompts):
         clips, traj, state = kvpo.rollout(old, ctx, frames, (C, h, w), plan, s, m_nearest, perturb_blocks,
                                           cache_frames, chunk_end if tve_span == 'chunk' else None, context_noise,
                                           release_reads)
-    return dict(ctx=ctx, plan=plan, clips=clips, traj=traj, state=state, prompts=prompts)
+    return dict(ctx=ctx, plan=plan, clips=clips, traj=traj, state=state, prompts=prompts, j=j)
 
 
 @torch.no_grad()
@@ -194,13 +195,18 @@ def score(g):
     return out
 
 
-def advantages(sc):
-    """(fused advantage (K,), safe): per signal sum_c w_c (r_c - r_c anchor) / std, fused, clamped."""
+def advantages(sc, it, j):
+    """(fused advantage (K,), safe): per signal sum_c w_c (r_c - r_c anchor) / std, fused, clamped. With
+    adv_shuffle (the control of bench/kvpo_verdicts.py) the K advantages are permuted, a draw seeded by (iteration,
+    video): the same values, gate and update size, no assignment of reward to branches."""
     adv = {s: kvpo.component_advantage({c: r[:-1] for c, r in v.items()}, {c: r[-1] for c, r in v.items()}, weights)
            for s, v in sc.items()}
     total = {s: reward.combine(v, reward_weights) for s, v in sc.items()}  # (K + 1,) composite a signal
     safe = kvpo.safe([(r[:-1], r[-1]) for r in total.values()])  # any branch beats the anchor on any signal
-    return kvpo.fuse(adv.get('local'), adv.get('global'), local_weight, global_weight, adv_clamp), safe
+    adv = kvpo.fuse(adv.get('local'), adv.get('global'), local_weight, global_weight, adv_clamp)
+    if adv_shuffle:
+        adv = adv[torch.randperm(len(adv), generator=torch.Generator().manual_seed(seed_of(seed, 'shuffle', it, j)))]
+    return adv, safe
 
 
 def update(groups, it):
@@ -296,7 +302,7 @@ while True:
     groups = [rollout(iter_num, j, p) for j, p in preemption.points(my_prompts(iter_num))]  # one a rank, released
     for g in groups:
         g['scores'] = score(g)
-        g['adv'], g['safe'] = advantages(g['scores'])
+        g['adv'], g['safe'] = advantages(g['scores'], iter_num, g['j'])
     t1 = time.time()
     st = update(groups, iter_num)
     iter_num += 1

@@ -344,8 +344,8 @@ HUB_ID = None  # committed in assets/toy_sf
 DEFAULTS = dict(toy_ar.DEFAULTS, sample_steps=len(LAYOUT['timesteps']), shift=LAYOUT['shift'], cfg=1.0)
 LORA_TARGETS = toy_ar.LORA_TARGETS
 reward, manifold_distance, text_encoder = toy.reward, toy.manifold_distance, toy.text_encoder
-blocks, forward, generate, load_decoder, latent_shape, cp_plan = (
-    toy_ar.blocks, toy_ar.forward, toy_ar.generate, toy_ar.load_decoder, toy_ar.latent_shape, toy_ar.cp_plan)
+blocks, forward, generate, load_decoder, latent_shape, cp_plan, context = (toy_ar.blocks, toy_ar.forward, toy_ar.generate,
+    toy_ar.load_decoder, toy_ar.latent_shape, toy_ar.cp_plan, toy_ar.context)
 
 
 def load_transformer(path, meta=False, attention=None, backend='native'):
