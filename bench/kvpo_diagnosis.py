@@ -1,5 +1,5 @@
 """
-Why GRPO with an SDE lowers its own training reward on the AR toy (results/kvpo_verdicts.md): a bug in the
+Why GRPO with an SDE lowers its own training reward on the AR toy (results/kvpo_verdicts_ar.md): a bug in the
 AR path, or drift (AdamW's normalised step on a tiny, noisy gradient: 4 prompts x 6 clips an iteration)?
 Each question is a pair of kvpo/grpo_ar.py runs with the same seed (the same prompts, initial noises, SDE
 noises and held-out items), the real advantages against each group's advantages permuted at random
@@ -20,7 +20,8 @@ reward (paired iteration by iteration: the same prompts and noises) and of the f
     python -m bench.kvpo_diagnosis --run=False        # only the report, from the runs
 
 Runs live in results/runs/kvpo_diagnosis/ (not committed); the real-advantage runs of the toy's composite
-are bench/kvpo_verdicts.py's (results/runs/kvpo_verdicts/, the same command), reused when there.
+are the AR toy's verdict runs (results/runs/kvpo_verdicts/, bench/kvpo_verdicts.py's before it moved to the
+distilled toy; the same command), reused when there.
 Tested by: running it (the numbers are in results/kvpo_diagnosis.md); the control's switch by
 tests/test_kvpo_sde.py.
 """
