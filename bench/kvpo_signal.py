@@ -12,6 +12,7 @@ can separate them:
    softmax's entropy against log K (a near-uniform policy: a tiny log-prob gradient a branch).
 
     python -m bench.kvpo_signal [--videos=48]     # results/kvpo_signal.md/.json (~3 min, one thread)
+    python -m bench.kvpo_signal --model=assets/toy_sf/ode_init --out=results/kvpo_signal_ode_init
 
 Tested by: running it (the numbers are in results/kvpo_signal.md); the pieces by tests/test_kvpo*.py.
 """
@@ -30,7 +31,8 @@ from models.policy import generators, noise, seed_of
 from models.videoalign import load_reward
 
 videos = 48                     # prompts x seeds (the train prompts, one seeded plan and noise each)
-OUT = 'results/kvpo_signal'
+model = 'assets/toy_sf'         # the distilled toy (assets/toy_sf/ode_init: its stage 1 alone)
+out = 'results/kvpo_signal'
 
 
 def settings(path):
@@ -42,7 +44,7 @@ def settings(path):
 @torch.no_grad()
 def main():
     torch.set_num_threads(1)
-    kv = dict(local_weight=1.0, global_weight=0.5, adv_clamp=2.5) | settings('kvpo/config/toy_sf.py')  # train.py's
+    kv = dict(local_weight=1.0, global_weight=0.5, adv_clamp=2.5) | settings('kvpo/config/toy_sf.py') | dict(model=model)
     gr = settings('kvpo/config/grpo_toy_sf.py')
     fam = family(kv['model'])
     net = fam.load_transformer(kv['model']).eval()
@@ -91,7 +93,7 @@ def main():
                kvpo_below_1e3=sum(r['kvpo_std'] < 1e-3 for r in rows) / len(rows))
     by_fork = {f: [r for r in rows if r['fork'] == f] for f in sorted({r['fork'] for r in rows})}
     md = ['## What a group carries on the distilled toy, before any update (KVPO vs GRPO-SDE)', '',
-          f'Written by `python -m bench.kvpo_signal`: the untrained `assets/toy_sf`, {videos} train prompts with a '
+          f'Written by `python -m bench.kvpo_signal --model={model}`: the untrained `{model}`, {videos} train prompts with a '
           'seeded plan and noise each; KVPO as kvpo/config/toy_sf.py routes it (K = 6, m = 1, P = 2, '
           'n_random = 2), GRPO-SDE as kvpo/config/grpo_toy_sf.py samples it (G = 6, one initial noise, SAGE eta '
           '0.5 at the 4 steps). Composite = 0.5 VQ + 0.5 MQ + TA. "std": over the group, population.', '',
@@ -105,7 +107,7 @@ def main():
                   f'{st.median(r["kvpo_std"] for r in v):.2g}', f'{st.median(r["grpo_std"] for r in v):.2g}',
                   f'{st.mean(r["distinct_adv"] for r in v):.1f}', f'{st.mean(r["clamped"] for r in v):.0%}']
                  for f, v in by_fork.items()]), '']
-    write_report(OUT, res, md)
+    write_report(out, res, md)
 
 
 if __name__ == '__main__':

@@ -18,6 +18,7 @@ the end, the alarm. The untrained model is the evaluation at iteration 0 (identi
     python -m bench.kvpo_verdicts                       # every run, one process (~2 h on one thread)
     python -m bench.kvpo_verdicts --workers=2 --worker=0   # with --worker=1 beside it: 2 cores
     python -m bench.kvpo_verdicts --run=False           # only the report: results/kvpo_verdicts.md/.json
+    python -m bench.kvpo_verdicts --model=assets/toy_sf/ode_init --lrs="('1e-4',)"   # its stage 1: ..._ode_init.md
 
 Runs live in results/runs/kvpo_verdicts_sf/ (not committed); a run whose final evaluation is there is not rerun.
 The AR toy's verdicts of the previous round are in git history (results/kvpo_verdicts.md before this file).
@@ -44,6 +45,7 @@ eval_every = 10                 # held-out evaluations
 tail = 10                       # the training reward of a run's end: its last `tail` iterations
 prompts_per_iter = 4            # the batch: prompts an iteration (x K = G = 6 clips)
 lrs = ('1e-4', '1e-5')          # the toy's learning rate, then the released one
+model = ''                      # '' the configs' (assets/toy_sf); another: its runs and report tagged by its folder
 workers, worker = 1, 0          # run every workers-th run from the worker-th (one process a core)
 run = True                      # False: only the report
 RUNS, OUT = 'results/runs/kvpo_verdicts_sf', 'results/kvpo_verdicts'
@@ -56,8 +58,12 @@ def cell(m, lr, shuffled):
     return f'{m} lr {lr}' + (', shuffled' if shuffled else '')
 
 
+def tag():
+    return '_' + os.path.basename(model.rstrip('/')) if model else ''
+
+
 def name(c, s):
-    return f'{c.replace(" ", "_").replace(",", "")}_b{prompts_per_iter}_s{s}'
+    return f'{c.replace(" ", "_").replace(",", "")}_b{prompts_per_iter}{tag()}_s{s}'
 
 
 def rows_of(c, s):
@@ -78,7 +84,8 @@ def train(m, lr, shuffled, s):
     t0 = time.time()
     p = subprocess.run([sys.executable] + METHODS[m] + [
         f'--seed={s}', f'--out_dir={d}', f'--max_iters={iters}', f'--eval_every={eval_every}', '--save_every=0',
-        f'--learning_rate={lr}', f'--prompts_per_iter={prompts_per_iter}', f'--adv_shuffle={shuffled}'],
+        f'--learning_rate={lr}', f'--prompts_per_iter={prompts_per_iter}', f'--adv_shuffle={shuffled}']
+        + ([f'--model={model}'] if model else []),
         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     with open(os.path.join(d, 'log.txt'), 'w') as f:
         f.write(p.stdout[-20000:] + p.stderr[-20000:])
@@ -111,7 +118,7 @@ def report():
     md = ['## KVPO decided on the distilled streaming toy: the shuffled control first, then the verdicts', '',
           f'Written by `python -m bench.kvpo_verdicts` ({iters} iterations a run, one CPU thread a run): '
           '`python -m kvpo.train kvpo/config/toy_sf.py` and `python -m kvpo.grpo_ar kvpo/config/grpo_toy_sf.py` '
-          f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `assets/toy_sf` (the released '
+          f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `{model or "assets/toy_sf"}` (the released '
           '4-step sampler; KVPO routes, GRPO-SDE injects SAGE noise in its 4 steps and trains 2), EMA 0.9, '
           'held-out: 16 prompts x 1 seed, the EMA weights, the model\'s own sampler. "shuffled": '
           '`--adv_shuffle=True`, each group\'s advantages permuted at random (same values, update size and gate, '
@@ -173,7 +180,7 @@ def report():
     res['runs'] = {c: {s: {k: r[k] for k in ('reward', 'anchor', 'alarm', 'sec')} | {'evals': r['evals']}
                        for s, r in v.items()} for c, v in runs.items()}
     res['learns'] = learns
-    write_report(OUT, res, md)
+    write_report(OUT + tag(), res, md)
 
 
 if __name__ == '__main__':
