@@ -14,6 +14,8 @@ weights, the model's own 4-step sampler). Per cell and seed: the training reward
 the last `tail` iterations: the same prompts and noises in a pair, so paired iteration by iteration), KVPO's
 anchor (the unrouted policy's own sample), the held-out composite, VQ, MQ, TA, manifold distance and entropy at
 the end, the alarm. The untrained model is the evaluation at iteration 0 (identical in every run of a seed).
+Then issue 58's suspects for KVPO lowering the toy, each removed in a KVPO run at the toy's lr (SUSPECTS), against
+KVPO and its shuffled control (bench/kvpo_signal.py measures the same suspects without training).
 
     python -m bench.kvpo_verdicts                       # every run, one process (~2 h on one thread)
     python -m bench.kvpo_verdicts --workers=2 --worker=0   # with --worker=1 beside it: 2 cores
@@ -23,16 +25,17 @@ the end, the alarm. The untrained model is the evaluation at iteration 0 (identi
 Runs live in results/runs/kvpo_verdicts_sf/ (not committed); a run whose final evaluation is there is not rerun.
 The AR toy's verdicts of the previous round are in git history (results/kvpo_verdicts.md before this file).
 Tested by: running it (the numbers are in results/kvpo_verdicts.md); the control's switch by
-tests/test_kvpo_shuffle.py.
+tests/test_kvpo_controls.py.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 
-from bench.common import table, write_report
+from bench.common import put_block, table, write_report
 from infra.configurator import configure
 
 _argv, sys.argv = sys.argv, sys.argv[:1]  # bench.verdicts reads the command line when imported: not ours
@@ -51,6 +54,11 @@ run = True                      # False: only the report
 RUNS, OUT = 'results/runs/kvpo_verdicts_sf', 'results/kvpo_verdicts'
 METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy_sf.py'],
            'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy_sf.py']}
+SUSPECTS = {  # issue 58's suspects for KVPO lowering the toy, each removed in a KVPO run at the toy's lr
+    'forks 6-7 only (pool >= 4: no identical branches)': ['--fork_min=6'],
+    'no second normalisation (A, not A / std(A))': ['--fuse_std=False'],
+    'velocity-space TVE (weight 1 / 2 sigma^2)': ['--score_form=velocity']}
+suspects = True                 # run and report them (after the main cells)
 METRICS = dict(composite=1, VQ=1, MQ=1, TA=1, manifold=-1, entropy=1)  # +1: higher is better, -1: lower
 
 
@@ -63,7 +71,7 @@ def tag():
 
 
 def name(c, s):
-    return f'{c.replace(" ", "_").replace(",", "")}_b{prompts_per_iter}{tag()}_s{s}'
+    return f'{re.sub(r"[^A-Za-z0-9.-]+", "_", c).strip("_")}_b{prompts_per_iter}{tag()}_s{s}'
 
 
 def rows_of(c, s):
@@ -75,8 +83,8 @@ def done(c, s):
     return any(r['iter'] == iters and 'eval_composite' in r for r in rows_of(c, s))
 
 
-def train(m, lr, shuffled, s):
-    c = cell(m, lr, shuffled)
+def train(m, lr, shuffled, s, extra=(), c=None):
+    c = c or cell(m, lr, shuffled)
     if done(c, s):
         return
     d = os.path.join(RUNS, name(c, s))
@@ -85,7 +93,7 @@ def train(m, lr, shuffled, s):
     p = subprocess.run([sys.executable] + METHODS[m] + [
         f'--seed={s}', f'--out_dir={d}', f'--max_iters={iters}', f'--eval_every={eval_every}', '--save_every=0',
         f'--learning_rate={lr}', f'--prompts_per_iter={prompts_per_iter}', f'--adv_shuffle={shuffled}']
-        + ([f'--model={model}'] if model else []),
+        + ([f'--model={model}'] if model else []) + list(extra),
         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     with open(os.path.join(d, 'log.txt'), 'w') as f:
         f.write(p.stdout[-20000:] + p.stderr[-20000:])
@@ -177,10 +185,62 @@ def report():
                    f'{mean(r["reward"][:tail]):.3f} -> {mean(r["reward"][-tail:]):.3f}',
                    ', '.join(r['alarm']) or 'silent', f'{r["sec"]:.1f}'] for c, v in runs.items() for s, r in v.items()]),
            '']
+    if suspects:
+        md += suspect_section(runs, res)
     res['runs'] = {c: {s: {k: r[k] for k in ('reward', 'anchor', 'alarm', 'sec')} | {'evals': r['evals']}
                        for s, r in v.items()} for c, v in runs.items()}
     res['learns'] = learns
     write_report(OUT + tag(), res, md)
+    return res
+
+
+def suspect_section(runs, res):
+    """Section 3: each suspect removed, against KVPO (the same seeds) and against KVPO's shuffled control."""
+    lr, rows = lrs[0], []
+    real, shuf = runs[cell('KVPO', lr, False)], runs[cell('KVPO', lr, True)]
+    for c in SUSPECTS:
+        ran = {s: summary(c, s) for s in range(seeds) if done(c, s)}
+        runs[c] = ran
+        for base, b in (('KVPO', real), ('KVPO, shuffled', shuf)):
+            ss = sorted(set(ran) & set(b))
+            if not ss:
+                continue
+            tr = paired([mean(ran[s]['reward'][-tail:]) for s in ss], [mean(b[s]['reward'][-tail:]) for s in ss])
+            ho = paired([ran[s]['evals'][iters]['composite'] for s in ss], [b[s]['evals'][iters]['composite'] for s in ss])
+            res['suspects'] = res.get('suspects', {}) | {f'{c} vs {base}': dict(reward=tr, held_out=ho)}
+            rows.append([c, base, len(ss), f'{mean([ran[s]["evals"][iters]["composite"] for s in ss]):.4f}',
+                         f'{fmt(tr)} {verdict(tr)}', f'{fmt(ho)} {verdict(ho)}'])
+    return [f'### 3. KVPO with each suspect removed (lr {lr}, the same seeds)', '',
+            'Issue 58\'s suspects for KVPO lowering the toy, each a KVPO run with it removed (not released settings): '
+            + '; '.join(f'"{c}": `{" ".join(a)}`' for c, a in SUSPECTS.items()) + '. Against KVPO and against KVPO\'s '
+            'shuffled control: if a suspect were the cause, its run would beat both.', '',
+            table(['suspect removed', 'against', 'seeds', 'held-out composite', f'Δ training reward (last {tail})',
+                   'Δ held-out composite'], rows), '']
+
+
+def readme_lines(res):
+    """The README's KVPO paragraph: each method against its shuffled control, then the three-way verdicts, at each
+    lr; with the spread of a group's rewards (bench/kvpo_signal.py's results, when there)."""
+    def ctl(m, lr):
+        ci = res['control'].get(f'{m} lr {lr}', {}).get('reward')
+        return f'{m} {verdict(ci) if ci else "not run"} ({fmt(ci) if ci else "-"})'
+    def vs(a, b, lr):
+        ci = res['held_out'].get(f'{a} vs {b}, lr {lr}', {}).get('composite')
+        return f'{a} vs {b} {verdict(ci) if ci else "not run"}' + (f' ({fmt(ci)})' if ci else '')
+    parts = [f'at lr {lr}, the real advantages beat the shuffled: {ctl("KVPO", lr)}, {ctl("GRPO-SDE", lr)}; held-out '
+             f'composite: {vs("KVPO", "untrained", lr)}, {vs("GRPO-SDE", "untrained", lr)}, {vs("KVPO", "GRPO-SDE", lr)}'
+             for lr in lrs]
+    sig = ''
+    if os.path.exists('results/kvpo_signal.json'):
+        with open('results/kvpo_signal.json') as f:
+            m = json.load(f)['median']
+        kvpo_learns = any(v for k, v in res['learns'].items() if k.startswith('KVPO'))
+        sig = (f' {"KVPO" if kvpo_learns else "Why KVPO cannot learn here"}: its routed branches barely differ (composite std within a group, median '
+               f'{m["kvpo_std"]:.1e}, GRPO-SDE\'s {m["grpo_std"]:.2f}), so most groups get one advantage value '
+               '([results/kvpo_signal.md](results/kvpo_signal.md), docs/kvpo.md 5).')
+    return [f'- *KVPO decided on the distilled streaming toy* (`python -m bench.kvpo_verdicts`, {seeds} paired seeds, '
+            f'{iters} iterations of {prompts_per_iter} prompts x 6): ' + '; '.join(parts) + '.' + sig
+            + ' [results/kvpo_verdicts.md](results/kvpo_verdicts.md).']
 
 
 if __name__ == '__main__':
@@ -191,4 +251,13 @@ if __name__ == '__main__':
         for i, job in enumerate(order):
             if i % workers == worker:
                 train(*job)
-    report()
+        jobs = [(c, a, s) for s in range(seeds) for c, a in SUSPECTS.items()] if suspects and not model else []
+        for i, (c, a, s) in enumerate(jobs):
+            if i % workers == worker:
+                train('KVPO', lrs[0], False, s, a, c)
+    res = report()
+    if not model and worker == 0:
+        put_block('README.md', 'bench.kvpo_verdicts', readme_lines(res))
+        put_block('results/README.md', 'bench.kvpo_verdicts',  # the figures the README quotes, kept here too
+                  ['## 13. KVPO decided on the distilled streaming toy (`python -m bench.kvpo_verdicts`)', '']
+                  + readme_lines(res))

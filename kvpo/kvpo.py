@@ -60,13 +60,13 @@ def eligible_forks(frames, layout, m, P, keep, first, then, within):
             and len(pool(f, layout, m, P, keep)) >= n_random(layout, m)]
 
 
-def plan(frames, layout, K, m, P, keep, seed, first, then, within):
+def plan(frames, layout, K, m, P, keep, seed, first, then, within, earliest=0):
     """The routing of one prompt: {'fork', 'older': K sorted frame lists}. The fork is uniform over the
-    eligible blocks; branch k takes positions (k shift + i) mod |pool|, i < n_random, of one seeded
+    eligible blocks (from frame `earliest` on: an experiment's switch, 0 as released); branch k takes positions (k shift + i) mod |pool|, i < n_random, of one seeded
     permutation of the pool, shift = max(1, |pool| // K), so branches overlap little."""
     if layout.get('window') is None:  # KVPO routes the frames a window dropped: a global cache drops none
         raise SystemExit(f"kvpo routes a windowed cache (LongLive's); {layout.get('name')} attends globally: nothing to route")
-    forks = eligible_forks(frames, layout, m, P, keep, first, then, within)
+    forks = [f for f in eligible_forks(frames, layout, m, P, keep, first, then, within) if f >= earliest]
     assert forks, f'no eligible fork in {frames} frames for P={P}, m={m} (a fork needs >= window and a pool)'
     gen = torch.Generator().manual_seed(seed)
     fork = forks[torch.randint(len(forks), (1,), generator=gen).item()]
@@ -259,14 +259,15 @@ def component_advantage(rewards, anchor, weights):
     return sum(w * anchor_advantage(rewards[c].float(), anchor[c].float()) for c, w in weights.items())
 
 
-def fuse(a_local, a_global, w_local=1.0, w_global=0.5, clamp=2.5):
+def fuse(a_local, a_global, w_local=1.0, w_global=0.5, clamp=2.5, normalise=True):
     """w_l A_l / std(A_l) + w_g A_g / std(A_g) (population std; no mean removed: the sign against the
-    anchor stays; a std <= 1e-8 divides nothing), clamped to +-clamp. Either may be None (off)."""
+    anchor stays; a std <= 1e-8 divides nothing), clamped to +-clamp. Either may be None (off).
+    normalise=False (an experiment, not released): w_l A_l + w_g A_g, the second division left out."""
     out = 0
     for a, w in ((a_local, w_local), (a_global, w_global)):
         if a is not None:
             std = a.std(unbiased=False)
-            out = out + w * (a if std <= 1e-8 else a / (std + 1e-8))
+            out = out + w * (a if std <= 1e-8 or not normalise else a / (std + 1e-8))
     return out.clamp(-clamp, clamp)
 
 

@@ -71,6 +71,8 @@ branch_backward = True          # backprop one branch's replay at a time (exact,
 activation_checkpointing = True  # recompute a replay forward's activations in backward (released: on)
 replay_routed = False           # True: TVE replays a branch under its own routing (not released: an experiment)
 adv_shuffle = False             # a control, not the method: permute each video's K advantages at random (seeded)
+fork_min = 0                    # an experiment: forks before this latent frame are not drawn (0: all eligible)
+fuse_std = True                 # False (an experiment): the fused advantage not divided by each signal's std
 gate = 'mechanism_2'            # unsafe prompt: 'mechanism_2' anchor slot (loss x 1/2) | 'mechanism_1' loss 0
 old_every = 2                   # iterations between syncs of the old (rollout) policy
 learning_rate = 1e-5            # AdamW, constant after the warm-up
@@ -171,7 +173,7 @@ def rollout(it, j, prompts):
     ctx = texts[0] if len(texts) == 1 else [(a, t) for (a, _), t in zip(segments.bounds(frames, switch_frames), texts)]
     s = seed_of(seed, 'rollout', it, j) % 2 ** 31
     plan = kvpo.plan(frames, layout, group, m_nearest, perturb_blocks, cache_frames, s, chunk_first, chunk_then,
-                     within_chunks)
+                     within_chunks, fork_min)
     chunk_end = next(b for a, b in kvpo.chunks(frames, chunk_first, chunk_then) if a <= plan['fork'] < b)
     with optim.precision(device, train_dtype):
         clips, traj, state = kvpo.rollout(old, ctx, frames, (C, h, w), plan, s, m_nearest, perturb_blocks,
@@ -203,7 +205,7 @@ def advantages(sc, it, j):
            for s, v in sc.items()}
     total = {s: reward.combine(v, reward_weights) for s, v in sc.items()}  # (K + 1,) composite a signal
     safe = kvpo.safe([(r[:-1], r[-1]) for r in total.values()])  # any branch beats the anchor on any signal
-    adv = kvpo.fuse(adv.get('local'), adv.get('global'), local_weight, global_weight, adv_clamp)
+    adv = kvpo.fuse(adv.get('local'), adv.get('global'), local_weight, global_weight, adv_clamp, fuse_std)
     if adv_shuffle:
         adv = adv[torch.randperm(len(adv), generator=torch.Generator().manual_seed(seed_of(seed, 'shuffle', it, j)))]
     return adv, safe

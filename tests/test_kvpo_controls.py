@@ -1,8 +1,9 @@
 """
-KVPO's shuffled-advantage control (kvpo/train.py --adv_shuffle, the control of bench/kvpo_verdicts.py), on the
+The controls of bench/kvpo_verdicts.py on KVPO. The shuffled advantages (kvpo/train.py --adv_shuffle), on the
 distilled streaming toy (kvpo/config/toy_sf.py): the rollout and the rewards are the real run's bitwise, the
 advantages the loss receives are the real ones permuted within the video (not the identity for this seed), the
-safe gate unchanged, and the update differs; --adv_shuffle=False is the default bitwise.
+safe gate unchanged, and the update differs; --adv_shuffle=False is the default bitwise. The suspects' switches:
+--fork_min (kvpo.plan's earliest) and --fuse_std=False (kvpo.fuse's normalise).
 """
 import runpy
 import sys
@@ -38,3 +39,25 @@ def test_kvpo_shuffled_advantages_permute_the_real_ones(tmp_path, monkeypatch):
     assert torch.equal(a_off[0][0], ar)
     assert max((w_real[k] - w_shuf[k]).abs().max().item() for k in w_real) > 0
     assert all(torch.equal(w_real[k], w_off[k]) for k in w_real)
+
+
+def test_fork_min_draws_only_later_forks_and_zero_is_the_released_draw():
+    # kvpo/train.py --fork_min (bench/kvpo_verdicts.py's suspect control): forks before it are never drawn; 0 draws
+    # exactly what the released plan draws (the same fork and routes for every seed)
+    from models import toy_sf
+    L, args = toy_sf.LAYOUT, (9, toy_sf.LAYOUT, 6, 1, 2, 9)
+    assert kvpo.eligible_forks(9, L, 1, 2, 9, 9, 9, 1) == [4, 5, 6, 7]
+    late = [kvpo.plan(*args, s, 9, 9, 1, earliest=6) for s in range(40)]
+    assert {p['fork'] for p in late} == {6, 7}
+    assert all(len({tuple(o) for o in p['older']}) >= 4 for p in late)  # pools of 4 and 5: no identical branches
+    assert all(kvpo.plan(*args, s, 9, 9, 1) == kvpo.plan(*args, s, 9, 9, 1, earliest=0) for s in range(40))
+    assert any(len({tuple(o) for o in kvpo.plan(*args, s, 9, 9, 1)['older']}) == 1 for s in range(40))  # fork 4
+
+
+def test_fuse_without_the_second_normalisation():
+    # --fuse_std=False: w_l A_l + w_g A_g, clamped (by hand), where the released fuse divides each by its std
+    a_l, a_g = torch.tensor([0.5, -1.0, 3.0]), torch.tensor([1.0, 1.0, -4.0])
+    assert torch.allclose(kvpo.fuse(a_l, a_g, normalise=False), torch.tensor([1.0, -0.5, 1.0]))
+    assert torch.allclose(kvpo.fuse(a_l, None, clamp=10.0, normalise=False), a_l)
+    sd = a_l.std(unbiased=False)
+    assert torch.allclose(kvpo.fuse(a_l, None, clamp=10.0), a_l / (sd + 1e-8))
