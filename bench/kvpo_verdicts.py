@@ -21,6 +21,7 @@ KVPO and its shuffled control (bench/kvpo_signal.py measures the same suspects w
     python -m bench.kvpo_verdicts --workers=2 --worker=0   # with --worker=1 beside it: 2 cores
     python -m bench.kvpo_verdicts --run=False           # only the report: results/kvpo_verdicts.md/.json
     python -m bench.kvpo_verdicts --model=assets/toy_sf/ode_init --lrs="('1e-4',)"   # its stage 1: ..._ode_init.md
+    python -m bench.kvpo_verdicts --prompts_per_iter=16 --methods="('KVPO',)" --seeds=3 --lrs="('1e-4',)"  # ..._b16.md
 
 Runs live in results/runs/kvpo_verdicts_sf/ (not committed); a run whose final evaluation is there is not rerun.
 The AR toy's verdicts of the previous round are in git history (results/kvpo_verdicts.md before this file).
@@ -49,6 +50,7 @@ tail = 10                       # the training reward of a run's end: its last `
 prompts_per_iter = 4            # the batch: prompts an iteration (x K = G = 6 clips)
 lrs = ('1e-4', '1e-5')          # the toy's learning rate, then the released one
 model = ''                      # '' the configs' (assets/toy_sf); another: its runs and report tagged by its folder
+methods = ('KVPO', 'GRPO-SDE')  # the methods run (the three-way verdicts need both)
 workers, worker = 1, 0          # run every workers-th run from the worker-th (one process a core)
 run = True                      # False: only the report
 RUNS, OUT = 'results/runs/kvpo_verdicts_sf', 'results/kvpo_verdicts'
@@ -67,11 +69,12 @@ def cell(m, lr, shuffled):
 
 
 def tag():
-    return '_' + os.path.basename(model.rstrip('/')) if model else ''
+    """The report's suffix: the model's folder where not the configs', the batch where not 4."""
+    return ('_' + os.path.basename(model.rstrip('/')) if model else '') + (f'_b{prompts_per_iter}' if prompts_per_iter != 4 else '')
 
 
 def name(c, s):
-    return f'{re.sub(r"[^A-Za-z0-9.-]+", "_", c).strip("_")}_b{prompts_per_iter}{tag()}_s{s}'
+    return f'{re.sub(r"[^A-Za-z0-9.-]+", "_", c).strip("_")}_b{prompts_per_iter}{tag().replace(f"_b{prompts_per_iter}", "")}_s{s}'
 
 
 def rows_of(c, s):
@@ -120,7 +123,7 @@ def mean(xs):
 
 def report():
     runs = {cell(m, lr, sh): {s: summary(cell(m, lr, sh), s) for s in range(seeds) if done(cell(m, lr, sh), s)}
-            for lr in lrs for m in METHODS for sh in (False, True)}
+            for lr in lrs for m in methods for sh in (False, True)}
     res = dict(config=dict(seeds=seeds, iters=iters, eval_every=eval_every, tail=tail,
                            prompts_per_iter=prompts_per_iter, lrs=lrs), control={}, held_out={}, runs={})
     md = ['## KVPO decided on the distilled streaming toy: the shuffled control first, then the verdicts', '',
@@ -135,7 +138,7 @@ def report():
           f'composite over the last {tail} iterations, the same prompts and noises in a pair)', '']
     rows = []
     for lr in lrs:
-        for m in METHODS:
+        for m in methods:
             real, shuf = runs[cell(m, lr, False)], runs[cell(m, lr, True)]
             ss = sorted(set(real) & set(shuf))
             if not ss:
@@ -162,10 +165,10 @@ def report():
            'TA, colour entropy; lower manifold distance); mean [95% t interval]; holds if above 0, fails if below:', '']
     prs = []
     for lr in lrs:
-        ev = {m: {s: r['evals'][iters] for s, r in runs[cell(m, lr, False)].items()} for m in METHODS}
-        ev['untrained'] = {s: r['evals'][0] for m in METHODS for s, r in runs[cell(m, lr, False)].items()}
+        ev = {m: {s: r['evals'][iters] for s, r in runs[cell(m, lr, False)].items()} for m in methods}
+        ev['untrained'] = {s: r['evals'][0] for m in methods for s, r in runs[cell(m, lr, False)].items()}
         for a, b in (('KVPO', 'untrained'), ('GRPO-SDE', 'untrained'), ('KVPO', 'GRPO-SDE')):
-            ss = sorted(set(ev[a]) & set(ev[b]))
+            ss = sorted(set(ev.get(a, {})) & set(ev.get(b, {})))
             if not ss:
                 continue
             ci = {k: paired([sg * ev[a][s][k] for s in ss], [sg * ev[b][s][k] for s in ss]) for k, sg in METRICS.items()}
@@ -185,7 +188,7 @@ def report():
                    f'{mean(r["reward"][:tail]):.3f} -> {mean(r["reward"][-tail:]):.3f}',
                    ', '.join(r['alarm']) or 'silent', f'{r["sec"]:.1f}'] for c, v in runs.items() for s, r in v.items()]),
            '']
-    if suspects:
+    if suspects and not tag():
         md += suspect_section(runs, res)
     res['runs'] = {c: {s: {k: r[k] for k in ('reward', 'anchor', 'alarm', 'sec')} | {'evals': r['evals']}
                        for s, r in v.items()} for c, v in runs.items()}
@@ -247,16 +250,16 @@ if __name__ == '__main__':
     configure(globals())
     os.makedirs(RUNS, exist_ok=True)
     if run:  # the toy's lr first, seed-major: a stop leaves every cell at the same seeds
-        order = [(m, lr, sh, s) for lr in lrs for s in range(seeds) for m in METHODS for sh in (False, True)]
+        order = [(m, lr, sh, s) for lr in lrs for s in range(seeds) for m in methods for sh in (False, True)]
         for i, job in enumerate(order):
             if i % workers == worker:
                 train(*job)
-        jobs = [(c, a, s) for s in range(seeds) for c, a in SUSPECTS.items()] if suspects and not model else []
+        jobs = [(c, a, s) for s in range(seeds) for c, a in SUSPECTS.items()] if suspects and not tag() else []
         for i, (c, a, s) in enumerate(jobs):
             if i % workers == worker:
                 train('KVPO', lrs[0], False, s, a, c)
     res = report()
-    if not model and worker == 0:
+    if not tag() and worker == 0:
         put_block('README.md', 'bench.kvpo_verdicts', readme_lines(res))
         put_block('results/README.md', 'bench.kvpo_verdicts',  # the figures the README quotes, kept here too
                   ['## 13. KVPO decided on the distilled streaming toy (`python -m bench.kvpo_verdicts`)', '']
