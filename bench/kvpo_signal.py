@@ -1,7 +1,7 @@
 """
 What signal each streaming method's group carries on the distilled toy, before any update: the untrained
-assets/toy_sf, the settings of kvpo/config/toy_sf.py and kvpo/config/grpo_toy_sf.py, the same prompts and
-initial noises. It measures the three suspects of issue 58 for KVPO lowering the toy, where no training run
+assets/toy_sf, the settings of kvpo/config/toy_sf.py and kvpo/config/grpo_toy_sf.py, the same prompts (each
+method its own noise draws, seeded by the video). It measures the three suspects of issue 58 for KVPO lowering the toy, where no training run
 can separate them:
  - routing that gives identical branches at small pools: distinct routings among the K branches (the pool is
    the frames between the sink and the fork's nearest, 2 to 5 on a 9-frame clip, n_random = 2 of them);

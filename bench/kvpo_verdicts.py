@@ -2,7 +2,7 @@
 KVPO decided on the distilled streaming toy (models/toy_sf.py: the released 4-step sampler): against GRPO with
 a SAGE SDE on the same model and against the untrained model, paired by seed, at the toy's learning rate and at
 the released one. First the control every verdict rests on: each method's real advantages against the same run
-with each group's advantages permuted at random (`--adv_shuffle=True`: the same values, update size, gate and
+with each group's advantages permuted at random (`--adv_shuffle=True`: the same advantage values, gate and
 statistics, no assignment of reward to clips). A method whose real advantages do not raise its own training reward
 above its shuffled control's is not learning from the reward at that batch, and its held-out verdict says nothing
 about the method.
@@ -14,8 +14,8 @@ weights, the model's own 4-step sampler). Per cell and seed: the training reward
 the last `tail` iterations: the same prompts and noises in a pair, so paired iteration by iteration), KVPO's
 anchor (the unrouted policy's own sample), the held-out composite, VQ, MQ, TA, manifold distance and entropy at
 the end, the alarm. The untrained model is the evaluation at iteration 0 (identical in every run of a seed).
-Then issue 58's suspects for KVPO lowering the toy, each removed in a KVPO run at the toy's lr (SUSPECTS), against
-KVPO and its shuffled control (bench/kvpo_signal.py measures the same suspects without training).
+Then issue 58's suspects for KVPO lowering the toy, each removed in a KVPO run at the toy's lr 1e-4 (SUSPECTS),
+against KVPO and its shuffled control (bench/kvpo_signal.py measures the same suspects without training).
 
     python -m bench.kvpo_verdicts                       # every run, one process (~2 h on one thread)
     python -m bench.kvpo_verdicts --workers=2 --worker=0   # with --worker=1 beside it: 2 cores
@@ -60,7 +60,8 @@ SUSPECTS = {  # issue 58's suspects for KVPO lowering the toy, each removed in a
     'forks 6-7 only (pool >= 4: no identical branches)': ['--fork_min=6'],
     'no second normalisation (A, not A / std(A))': ['--fuse_std=False'],
     'velocity-space TVE (weight 1 / 2 sigma^2)': ['--score_form=velocity']}
-suspects = True                 # run and report them (after the main cells)
+suspects = True                 # run and report them (after the main cells; at SUSPECT_LR, batch 4, the configs' model)
+SUSPECT_LR = '1e-4'                # the toy's lr: where KVPO moves
 METRICS = dict(composite=1, VQ=1, MQ=1, TA=1, manifold=-1, entropy=1)  # +1: higher is better, -1: lower
 
 
@@ -68,13 +69,19 @@ def cell(m, lr, shuffled):
     return f'{m} lr {lr}' + (', shuffled' if shuffled else '')
 
 
+def model_tag():
+    return '_' + os.path.basename(model.rstrip('/')) if model else ''
+
+
 def tag():
-    """The report's suffix: the model's folder where not the configs', the batch where not 4."""
-    return ('_' + os.path.basename(model.rstrip('/')) if model else '') + (f'_b{prompts_per_iter}' if prompts_per_iter != 4 else '')
+    """The report's suffix: the model's folder where not the configs', the batch where not 4, the methods where not
+    both (the README's block and the suspects belong to the untagged report alone)."""
+    return (model_tag() + (f'_b{prompts_per_iter}' if prompts_per_iter != 4 else '')
+            + ('' if tuple(methods) == tuple(METHODS) else '_' + '_'.join(methods)))
 
 
 def name(c, s):
-    return f'{re.sub(r"[^A-Za-z0-9.-]+", "_", c).strip("_")}_b{prompts_per_iter}{tag().replace(f"_b{prompts_per_iter}", "")}_s{s}'
+    return f'{re.sub(r"[^A-Za-z0-9.-]+", "_", c).strip("_")}_b{prompts_per_iter}{model_tag()}_s{s}'
 
 
 def rows_of(c, s):
@@ -132,7 +139,7 @@ def report():
           f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `{model or "assets/toy_sf"}` (the released '
           '4-step sampler; KVPO routes, GRPO-SDE injects SAGE noise in its 4 steps and trains 2), EMA 0.9, '
           'held-out: 16 prompts x 1 seed, the EMA weights, the model\'s own sampler. "shuffled": '
-          '`--adv_shuffle=True`, each group\'s advantages permuted at random (same values, update size and gate, '
+          '`--adv_shuffle=True`, each group\'s advantages permuted at random (the same advantage values and gate, '
           'no assignment of reward to clips).', '',
           f'### 1. The control: real advantages vs shuffled, paired by seed (training reward: the rollouts\' mean '
           f'composite over the last {tail} iterations, the same prompts and noises in a pair)', '']
@@ -148,13 +155,13 @@ def report():
             ci['held-out'] = paired([real[s]['evals'][iters]['composite'] for s in ss],
                                     [shuf[s]['evals'][iters]['composite'] for s in ss])
             res['control'][f'{m} lr {lr}'] = ci
-            first = mean([mean(real[s]['reward'][:tail]) for s in ss])
-            rows.append([m, lr, len(ss), f'{first:.3f}', f'{mean([mean(real[s]["reward"][-tail:]) for s in ss]):.3f}',
+            first = [mean([mean(r[s]['reward'][:tail]) for s in ss]) for r in (real, shuf)]
+            rows.append([m, lr, len(ss), f'{first[0]:.3f} / {first[1]:.3f}', f'{mean([mean(real[s]["reward"][-tail:]) for s in ss]):.3f}',
                          f'{mean([mean(shuf[s]["reward"][-tail:]) for s in ss]):.3f}',
                          f'{fmt(ci["reward"])} **{verdict(ci["reward"])}**',
                          f'{fmt(ci["anchor"])} {verdict(ci["anchor"])}' if 'anchor' in ci else '-',
                          f'{fmt(ci["held-out"])} {verdict(ci["held-out"])}'])
-    md += [table(['method', 'lr', 'seeds', f'training reward, first {tail}', f'last {tail}, real',
+    md += [table(['method', 'lr', 'seeds', f'training reward, first {tail} (real / shuffled)', f'last {tail}, real',
                   f'last {tail}, shuffled', 'Δ real - shuffled', 'Δ anchor (KVPO: the unrouted sample)',
                   'Δ held-out composite'], rows), '']
     learns = {k: verdict(v['reward']) == 'holds' for k, v in res['control'].items()}
@@ -199,7 +206,9 @@ def report():
 
 def suspect_section(runs, res):
     """Section 3: each suspect removed, against KVPO (the same seeds) and against KVPO's shuffled control."""
-    lr, rows = lrs[0], []
+    lr, rows = SUSPECT_LR, []
+    if lr not in lrs:
+        return []
     real, shuf = runs[cell('KVPO', lr, False)], runs[cell('KVPO', lr, True)]
     for c in SUSPECTS:
         ran = {s: summary(c, s) for s in range(seeds) if done(c, s)}
@@ -213,6 +222,8 @@ def suspect_section(runs, res):
             res['suspects'] = res.get('suspects', {}) | {f'{c} vs {base}': dict(reward=tr, held_out=ho)}
             rows.append([c, base, len(ss), f'{mean([ran[s]["evals"][iters]["composite"] for s in ss]):.4f}',
                          f'{fmt(tr)} {verdict(tr)}', f'{fmt(ho)} {verdict(ho)}'])
+    if not rows:
+        return []
     return [f'### 3. KVPO with each suspect removed (lr {lr}, the same seeds)', '',
             'Issue 58\'s suspects for KVPO lowering the toy, each a KVPO run with it removed (not released settings): '
             + '; '.join(f'"{c}": `{" ".join(a)}`' for c, a in SUSPECTS.items()) + '. Against KVPO and against KVPO\'s '
@@ -234,12 +245,12 @@ def readme_lines(res):
              f'composite: {vs("KVPO", "untrained", lr)}, {vs("GRPO-SDE", "untrained", lr)}, {vs("KVPO", "GRPO-SDE", lr)}'
              for lr in lrs]
     sig = ''
-    if os.path.exists('results/kvpo_signal.json'):
+    if os.path.exists('results/kvpo_signal.json'):  # the untrained toy's groups (bench/kvpo_signal.py)
         with open('results/kvpo_signal.json') as f:
-            m = json.load(f)['median']
-        kvpo_learns = any(v for k, v in res['learns'].items() if k.startswith('KVPO'))
-        sig = (f' {"KVPO" if kvpo_learns else "Why KVPO cannot learn here"}: its routed branches barely differ (composite std within a group, median '
-               f'{m["kvpo_std"]:.1e}, GRPO-SDE\'s {m["grpo_std"]:.2f}), so most groups get one advantage value '
+            g = json.load(f)
+        sig = (f' On the untrained toy KVPO\'s routed branches barely differ (composite std within a group: median '
+               f'{g["median"]["kvpo_std"]:.1e}, mean {g["mean"]["kvpo_std"]:.1e}; GRPO-SDE\'s {g["median"]["grpo_std"]:.2f}) '
+               f'and {g["tied_groups"]:.0%} of its groups get one advantage value for every branch '
                '([results/kvpo_signal.md](results/kvpo_signal.md), docs/kvpo.md 5).')
     return [f'- *KVPO decided on the distilled streaming toy* (`python -m bench.kvpo_verdicts`, {seeds} paired seeds, '
             f'{iters} iterations of {prompts_per_iter} prompts x 6): ' + '; '.join(parts) + '.' + sig
@@ -257,7 +268,7 @@ if __name__ == '__main__':
         jobs = [(c, a, s) for s in range(seeds) for c, a in SUSPECTS.items()] if suspects and not tag() else []
         for i, (c, a, s) in enumerate(jobs):
             if i % workers == worker:
-                train('KVPO', lrs[0], False, s, a, c)
+                train('KVPO', SUSPECT_LR, False, s, a, c)
     res = report()
     if not tag() and worker == 0:
         put_block('README.md', 'bench.kvpo_verdicts', readme_lines(res))

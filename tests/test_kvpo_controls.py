@@ -41,23 +41,38 @@ def test_kvpo_shuffled_advantages_permute_the_real_ones(tmp_path, monkeypatch):
     assert all(torch.equal(w_real[k], w_off[k]) for k in w_real)
 
 
-def test_fork_min_draws_only_later_forks_and_zero_is_the_released_draw():
-    # kvpo/train.py --fork_min (bench/kvpo_verdicts.py's suspect control): forks before it are never drawn; 0 draws
-    # exactly what the released plan draws (the same fork and routes for every seed)
+def test_fork_min_draws_only_later_forks():
+    # kvpo.plan's earliest (kvpo/train.py --fork_min, bench/kvpo_verdicts.py's suspect control): forks before it are
+    # never drawn; with it at 0 every eligible fork is drawn, fork 4's branches all alike (pool 2 = n_random)
     from models import toy_sf
     L, args = toy_sf.LAYOUT, (9, toy_sf.LAYOUT, 6, 1, 2, 9)
     assert kvpo.eligible_forks(9, L, 1, 2, 9, 9, 9, 1) == [4, 5, 6, 7]
     late = [kvpo.plan(*args, s, 9, 9, 1, earliest=6) for s in range(40)]
     assert {p['fork'] for p in late} == {6, 7}
     assert all(len({tuple(o) for o in p['older']}) >= 4 for p in late)  # pools of 4 and 5: no identical branches
-    assert all(kvpo.plan(*args, s, 9, 9, 1) == kvpo.plan(*args, s, 9, 9, 1, earliest=0) for s in range(40))
-    assert any(len({tuple(o) for o in kvpo.plan(*args, s, 9, 9, 1)['older']}) == 1 for s in range(40))  # fork 4
+    every = [kvpo.plan(*args, s, 9, 9, 1) for s in range(40)]
+    assert {p['fork'] for p in every} == {4, 5, 6, 7}
+    assert all(len({tuple(o) for o in p['older']}) == 1 for p in every if p['fork'] == 4)
 
 
 def test_fuse_without_the_second_normalisation():
-    # --fuse_std=False: w_l A_l + w_g A_g, clamped (by hand), where the released fuse divides each by its std
+    # --fuse_std=False: w_l A_l + w_g A_g, clamped; the released fuse divides each by its population std (numbers by
+    # hand: std([0.5, -1, 3]) = sqrt(49/18) = 1.6499)
     a_l, a_g = torch.tensor([0.5, -1.0, 3.0]), torch.tensor([1.0, 1.0, -4.0])
     assert torch.allclose(kvpo.fuse(a_l, a_g, normalise=False), torch.tensor([1.0, -0.5, 1.0]))
     assert torch.allclose(kvpo.fuse(a_l, None, clamp=10.0, normalise=False), a_l)
-    sd = a_l.std(unbiased=False)
-    assert torch.allclose(kvpo.fuse(a_l, None, clamp=10.0), a_l / (sd + 1e-8))
+    assert torch.allclose(kvpo.fuse(a_l, None, clamp=10.0), torch.tensor([0.30305, -0.60609, 1.81827]), atol=1e-4)
+
+
+def test_train_passes_fork_min_and_fuse_std(tmp_path, monkeypatch):
+    # the switches reach the loop: every logged fork >= fork_min, and fuse sees normalise=False
+    seen = []
+    fuse = kvpo.fuse
+    monkeypatch.setattr(kvpo, 'fuse', lambda *a, **k: seen.append(a[5] if len(a) > 5 else k.get('normalise', True))
+                        or fuse(*a, **k))
+    out = str(tmp_path / 'run')
+    monkeypatch.setattr(sys, 'argv', ['kvpo.train', 'kvpo/config/toy_sf.py', '--prompts_per_iter=2', '--max_iters=2',
+                                      '--eval_every=0', '--save_every=0', '--fork_min=7', '--fuse_std=False',
+                                      f'--out_dir={out}'])
+    runpy.run_module('kvpo.train', run_name='__main__')
+    assert [r['fork'] for r in metrics(out) if 'fork' in r] == [7, 7] and seen == [False] * 4
