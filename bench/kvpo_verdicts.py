@@ -252,6 +252,11 @@ def readme_lines(res):
                f'{g["median"]["kvpo_std"]:.1e}, mean {g["mean"]["kvpo_std"]:.1e}; GRPO-SDE\'s {g["median"]["grpo_std"]:.2f}) '
                f'and {g["tied_groups"]:.0%} of its groups get one advantage value for every branch '
                '([results/kvpo_signal.md](results/kvpo_signal.md), docs/kvpo.md 5).')
+    sus = res.get('suspects', {})
+    if sus:
+        sig += (' Each suspect removed, against KVPO (held-out composite): ' + '; '.join(
+            f'{k.split(" (")[0]} {verdict(v["held_out"])} ({fmt(v["held_out"])})' for k, v in sus.items()
+            if k.endswith('vs KVPO')) + '.')
     return [f'- *KVPO decided on the distilled streaming toy* (`python -m bench.kvpo_verdicts`, {seeds} paired seeds, '
             f'{iters} iterations of {prompts_per_iter} prompts x 6): ' + '; '.join(parts) + '.' + sig
             + ' [results/kvpo_verdicts.md](results/kvpo_verdicts.md).']
