@@ -35,17 +35,20 @@ model = 'assets/toy_sf'         # the distilled toy (assets/toy_sf/ode_init: its
 out = 'results/kvpo_signal'
 
 
-def settings(path):
+def settings(*paths):
+    """The settings the config files set, later files over earlier (as infra/configurator.py applies them)."""
     cfg = {}
-    exec(open(path).read(), {}, cfg)
+    for p in paths:
+        exec(open(p).read(), {}, cfg)
     return cfg
 
 
 @torch.no_grad()
 def main():
     torch.set_num_threads(1)
-    kv = dict(local_weight=1.0, global_weight=0.5, adv_clamp=2.5) | settings('kvpo/config/toy_sf.py') | dict(model=model)
-    gr = settings('kvpo/config/grpo_toy_sf.py')
+    kv = dict(local_weight=1.0, global_weight=0.5, adv_clamp=2.5) | settings('kvpo/config/toy.py', 'kvpo/config/toy_sf.py') \
+        | dict(model=model)  # kvpo/train.py's fuse defaults, the configs, the model measured
+    gr = settings('kvpo/config/grpo_toy.py', 'kvpo/config/grpo_toy_sf.py')
     fam = family(kv['model'])
     net = fam.load_transformer(kv['model']).eval()
     encode, decode = fam.text_encoder(kv['model'], 'cpu'), fam.load_decoder(kv['model'], 'cpu')

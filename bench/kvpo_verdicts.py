@@ -7,7 +7,8 @@ statistics, no assignment of reward to clips). A method whose real advantages do
 above its shuffled control's is not learning from the reward at that batch, and its held-out verdict says nothing
 about the method.
 
-Every run: `python -m kvpo.train kvpo/config/toy_sf.py` or `python -m kvpo.grpo_ar kvpo/config/grpo_toy_sf.py`
+Every run: `python -m kvpo.train kvpo/config/toy.py kvpo/config/toy_sf.py` or `python -m kvpo.grpo_ar
+kvpo/config/grpo_toy.py kvpo/config/grpo_toy_sf.py`
 with `--seed=s` (the same prompts an iteration, initial noises and held-out items in every run of a seed), 4
 prompts x K = G = 6 an iteration, 30 iterations, EMA 0.9, held-out every 10 (16 prompts x 1 seed, the EMA
 weights, the model's own 4-step sampler). Per cell and seed: the training reward (the rollouts' mean composite,
@@ -54,8 +55,8 @@ methods = ('KVPO', 'GRPO-SDE')  # the methods run (the three-way verdicts need b
 workers, worker = 1, 0          # run every workers-th run from the worker-th (one process a core)
 run = True                      # False: only the report
 RUNS, OUT = 'results/runs/kvpo_verdicts_sf', 'results/kvpo_verdicts'
-METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy_sf.py'],
-           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy_sf.py']}
+METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy.py', 'kvpo/config/toy_sf.py'],
+           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', 'kvpo/config/grpo_toy_sf.py']}
 SUSPECTS = {  # issue 58's suspects for KVPO lowering the toy, each removed in a KVPO run at the toy's lr
     'forks 6-7 only (pool >= 4: no identical branches)': ['--fork_min=6'],
     'no second normalisation (A, not A / std(A))': ['--fuse_std=False'],
@@ -135,7 +136,8 @@ def report():
                            prompts_per_iter=prompts_per_iter, lrs=lrs), control={}, held_out={}, runs={})
     md = ['## KVPO decided on the distilled streaming toy: the shuffled control first, then the verdicts', '',
           f'Written by `python -m bench.kvpo_verdicts` ({iters} iterations a run, one CPU thread a run): '
-          '`python -m kvpo.train kvpo/config/toy_sf.py` and `python -m kvpo.grpo_ar kvpo/config/grpo_toy_sf.py` '
+          '`python -m kvpo.train kvpo/config/toy.py kvpo/config/toy_sf.py` and `python -m kvpo.grpo_ar '
+          'kvpo/config/grpo_toy.py kvpo/config/grpo_toy_sf.py` '
           f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `{model or "assets/toy_sf"}` (the released '
           '4-step sampler; KVPO routes, GRPO-SDE injects SAGE noise in its 4 steps and trains 2), EMA 0.9, '
           'held-out: 16 prompts x 1 seed, the EMA weights, the model\'s own sampler. "shuffled": '

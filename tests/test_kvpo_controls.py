@@ -22,7 +22,7 @@ def one(tmp_path, monkeypatch, name, *extra):
         seen.append((adv.detach().clone(), safe))
         return loss(s, s_old, s_init, adv, safe, *a, **k)
     monkeypatch.setattr(kvpo, 'loss', recording)
-    monkeypatch.setattr(sys, 'argv', ['kvpo.train', 'kvpo/config/toy_sf.py', '--prompts_per_iter=1', '--max_iters=1',
+    monkeypatch.setattr(sys, 'argv', ['kvpo.train', 'kvpo/config/toy.py', 'kvpo/config/toy_sf.py', '--prompts_per_iter=1', '--max_iters=1',
                                       '--eval_every=0', '--save_every=0', '--seed=5', f'--out_dir={out}', *extra])
     runpy.run_module('kvpo.train', run_name='__main__')
     return metrics(out)[0], weights(out), seen
@@ -71,7 +71,7 @@ def test_train_passes_fork_min_and_fuse_std(tmp_path, monkeypatch):
     monkeypatch.setattr(kvpo, 'fuse', lambda *a, **k: seen.append(a[5] if len(a) > 5 else k.get('normalise', True))
                         or fuse(*a, **k))
     out = str(tmp_path / 'run')
-    monkeypatch.setattr(sys, 'argv', ['kvpo.train', 'kvpo/config/toy_sf.py', '--prompts_per_iter=2', '--max_iters=2',
+    monkeypatch.setattr(sys, 'argv', ['kvpo.train', 'kvpo/config/toy.py', 'kvpo/config/toy_sf.py', '--prompts_per_iter=2', '--max_iters=2',
                                       '--eval_every=0', '--save_every=0', '--fork_min=7', '--fuse_std=False',
                                       f'--out_dir={out}'])
     runpy.run_module('kvpo.train', run_name='__main__')

@@ -1,25 +1,10 @@
-# GRPO with an SDE on the distilled streaming toy (kvpo/grpo_ar.py): the baseline beside KVPO
-# (kvpo/config/toy_sf.py), the same model, prompts, optimizer, EMA and held-out evaluation, so
-# bench/kvpo_verdicts.py pairs them seed by seed.
-#   python -m kvpo.grpo_ar kvpo/config/grpo_toy_sf.py
-# Each frame's 4 denoising steps (the distilled sampler's sigmas and a terminal 0) are SAGE steps (eta 0.5);
-# 2 of them, drawn each iteration, carry the loss (KVPO's replay trains 2 of the 4 too).
+# GRPO with an SDE on the distilled streaming toy (kvpo/grpo_ar.py), beside KVPO on it: an overlay of
+# kvpo/config/grpo_toy.py, so the same prompts, optimizer, EMA and held-out evaluation as KVPO's, paired seed by
+# seed in bench/kvpo_verdicts.py. Its 4 denoising steps (the distilled sampler's sigmas and a terminal 0) are
+# SAGE steps (eta 0.5); 2 of them, drawn each iteration, carry the loss (KVPO's replay trains 2 of the 4 too).
+#   python -m kvpo.grpo_ar kvpo/config/grpo_toy.py kvpo/config/grpo_toy_sf.py
 model = 'assets/toy_sf'
-reward_model = 'world'          # the toy world's exact reward
-reward_weights = (0.5, 0.5, 1.0)  # Setting B, the toy's composite
 train_prompts = 'assets/toy_sf/train_prompts.txt'
 eval_prompts = 'assets/toy_sf/eval_prompts.txt'
-device = 'cpu'
-fps = 8
-lora_rank = 0                   # the whole tiny model trains
-group = 6                       # G: KVPO's K on the toy
 train_steps = 2                 # of the 4 SDE steps
-frames = 9
-eval_frames = 9
-prompts_per_iter = 4            # 4 prompts an iteration (over all ranks), KVPO's
-learning_rate = 1e-4            # KVPO's toy setting
-ema_decay = 0.9
-max_iters = 30
-eval_every = 10
-save_every = 10
 out_dir = 'out-grpo-ar-toy-sf'

@@ -1,37 +1,10 @@
 # KVPO on the distilled streaming toy (models/toy_sf.py): the released 4-step sampler (sigmas 1, .9375, .8333,
-# .625, fresh re-noising, no guidance), the toy's layout (block 1, sink 1, window 4); the verdicts of
-# bench/kvpo_verdicts.py run on it.
-#   python -m kvpo.train kvpo/config/toy_sf.py
-# As kvpo/config/toy.py but for the model: the first 2 of the 4 steps carry gradient, as released.
+# .625, fresh re-noising, no guidance), the toy's layout (block 1, sink 1, window 4). An overlay of the AR toy's
+# config, whose every other setting it keeps (the first 2 of the 4 steps carry gradient, as released); the
+# verdicts of bench/kvpo_verdicts.py run on it, at this lr 1e-4 and the released 1e-5.
+#   python -m kvpo.train kvpo/config/toy.py kvpo/config/toy_sf.py
 model = 'assets/toy_sf'
-reward_model = 'world'          # the toy world's exact reward
-reward_weights = (0.5, 0.5, 1.0)  # Setting B, the toy's composite
 train_prompts = 'assets/toy_sf/train_prompts.txt'
 eval_prompts = 'assets/toy_sf/eval_prompts.txt'
-device = 'cpu'
-fps = 8
-lora_rank = 0                   # the whole tiny model trains
-group = 6                       # K: a fork late in the clip has up to 5 older frames to route to
-m_nearest = 1                   # the block itself (block 1)
-perturb_blocks = 2              # P: forks 4..7 of 9 frames
-frames = 9
-chunk_first = 9
-chunk_then = 9
-within_chunks = 1
-cache_frames = 9                # the whole clip: the pool is every frame between the sink and the fork
-global_clip = 9
-eval_frames = 9
-prompts_per_iter = 4            # 4 prompts an iteration (over all ranks)
-learning_rate = 1e-4            # the toy's rate (the released 1e-5: bench/kvpo_verdicts.py runs both)
-ema_decay = 0.9                 # tens of iterations, not 1500
-max_iters = 30
-eval_every = 10
-save_every = 10
 out_dir = 'out-kvpo-toy-sf'
-activation_checkpointing = False  # a 3-layer toy: activations are tiny
-# the released long-video choices the toy does not take (kvpo/train.py's defaults are the released values):
-tve_span = 'routed'             # the P routed blocks: a chunk of 9 frames would replay up to 5 blocks, not 2
-switch_frames = ()              # one prompt: the toy's 9-frame clips are one caption each
 context_noise = 0.0             # the toy was distilled with its cache written from x0 itself (models/toy_sf.py)
-lr_schedule = 'per_rollout'     # 30 rollouts, not 3000: a warm-up from 0 over 10 of them would idle a third of the run
-train_dtype = 'float32'         # a CPU run of a tiny model: bf16 would round away its lr 1e-4 steps on most weights
