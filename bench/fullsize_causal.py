@@ -1,5 +1,5 @@
 """
-The streaming Wan 2.1 1.3B (models/wan_causal.py) at full size, per GPU: the caches a KVPO rollout holds
+The streaming Wan 2.1 1.3B (streaming/wan_causal.py) at full size, per GPU: the caches a KVPO rollout holds
 (8 branches and the unrouted anchor of one prompt, one prompt a GPU: docs/kvpo.md section 1), measured by torch
 on fake tensors (real shapes and dtypes, no storage), at 81x480x832 (21 latent frames, the short setting)
 and at the long released setting (147 latent frames: chunks of 21 then +18, 585 video frames).
@@ -9,7 +9,7 @@ and at the long released setting (147 latent frames: chunks of 21 then +18, 585 
 
 How: the causal transformer is built from the released config (assets/wan21_t2v_1.3b_transformer.json) in
 bf16 as fake tensors; streaming.generate runs the clip's first 21 latent frames block by block (5 forwards
-a block: 4 steps and the timestep-0 write), with the cache of models/streaming.py; the bytes of the cache
+a block: 4 steps and the timestep-0 write), with the cache of streaming/__init__.py; the bytes of the cache
 (keys and values of every layer, 1,560 tokens a frame, and the text's cross-attention keys and values) are
 read off its tensors, the activations of one block forward with a full window by MemTracker. The rows
 then count frames: a rolling cache holds sink + window - block = 9 frames whatever the clip's length; a
@@ -25,7 +25,8 @@ import os
 
 import torch
 
-from models import streaming, wan_causal
+import streaming
+from streaming import wan_causal
 
 # ----------------------------------------------------------------------------- settings
 CONFIG = 'assets/wan21_t2v_1.3b_transformer.json'  # the released 1.3B config

@@ -21,7 +21,8 @@ import sde
 from bench.common import write_report
 from infra.configurator import configure
 from kvpo import kvpo, sde_ar
-from models import family, streaming
+from models import family
+import streaming
 
 model = 'assets/toy_ar'
 seeds = 2                       # samples per held-out prompt

@@ -23,7 +23,7 @@ import torch
 
 from bench.fullsize_causal import HEIGHT, WIDTH, build
 from bench.fullsize_causal import OUT as MEASURED
-from models import streaming
+import streaming
 
 K, P, GRAD_STEPS, CACHE, FRAMES, LORA = 8, 5, 2, 33, 147, 256  # kvpo/config/longlive.py's
 OUT = 'results/kvpo_memory'

@@ -1,5 +1,5 @@
 """
-KVPO decided on the distilled streaming toy (models/toy_sf.py: the released 4-step sampler): against GRPO with
+KVPO decided on the distilled streaming toy (streaming/toy_sf.py: the released 4-step sampler): against GRPO with
 a SAGE SDE on the same model and against the untrained model, paired by seed, at the toy's learning rate and at
 the released one. First the control every verdict rests on: each method's real advantages against the same run
 with each group's advantages permuted at random (`--adv_shuffle=True`: the same advantage values, gate and

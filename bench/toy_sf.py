@@ -1,5 +1,5 @@
 """
-The distilled streaming toy (models/toy_sf.py) against issue 57's three targets, beside the bidirectional base,
+The distilled streaming toy (streaming/toy_sf.py) against issue 57's three targets, beside the bidirectional base,
 on the 16 held-out prompts x `samples` seeds, every clip sampled exactly as sample.py samples it (the same seeds
 seed * 1000 + i, the family's own sampler: the base 10 Euler steps at shift 3, cfg 1; a streaming model its
 generate(), the distilled one the released 4 steps with fresh re-noising):
@@ -109,7 +109,7 @@ def main():
     }
     res['targets'] = {k: dict(value=v, bar=b, met=bool(v >= b)) for k, (v, b) in targets.items()}
     keys = ('composite', 'VQ', 'MQ', 'TA', 'direction', 'manifold', 'first_third', 'last_third', 'last_over_first')
-    md = [f'# The distilled streaming toy (models/toy_sf.py) beside the bidirectional base',
+    md = [f'# The distilled streaming toy (streaming/toy_sf.py) beside the bidirectional base',
           '', f'Written by `python -m bench.toy_sf`: the {len(held_out)} held-out prompts x {samples} seeds, each '
           'model sampled as sample.py samples it (same seeds; the distilled toy: the released 4 steps, sigmas '
           '1, .9375, .8333, .625, fresh re-noising; block 1, sink 1, window 4). Thirds: frames 0-2 and 6-8 '

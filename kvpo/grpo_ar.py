@@ -64,7 +64,7 @@ ema_decay = 0.999               # the evaluated weights: an exponential average 
 max_iters = 1500                # iterations (one optimizer step each)
 prompts_per_iter = 8            # prompts an iteration over all ranks
 # ----------------------------------------------------------------------------- model, data, plumbing
-model = 'weights/LongLive'      # a streaming model directory (python -m models.wan_causal)
+model = 'weights/LongLive'      # a streaming model directory (python -m streaming.wan_causal)
 lora_rank = 256                 # LoRA rank (alpha = rank) on the generator; 0: full fine-tuning
 reward_model = 'videoalign'     # 'videoalign' | 'world': the model's own (the toy's)
 reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA) of the composite (Setting B)

@@ -16,7 +16,7 @@ gradient. As released the branch logits are log-softmaxed before the anchor slot
 so an unsafe prompt has pi_anchor = 1/2 exactly and mechanism_2 halves its loss (no gradient flows
 through the scale); mechanism_1 zeroes it. Where this differs from the released code: noise is drawn
 per (seed, frame, step) (explicit, and the same in every branch whatever its start); frames are routed
-by their absolute index from a cache that keeps them (models/streaming.py KVCache.route), the planned ones
+by their absolute index from a cache that keeps them (streaming/__init__.py KVCache.route), the planned ones
 (router's release_reads: the release's reads, one block off once its cache has rolled: docs/kvpo.md 2).
 Tested by: python -m pytest tests/test_kvpo.py tests/test_kvpo_release.py
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpo import segments
-from models import streaming
+import streaming
 
 
 # ----------------------------------------------------------------------------- routing (CHR)

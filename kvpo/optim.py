@@ -4,7 +4,7 @@ learning-rate schedule, each as released with the alternative the toy uses.
 
     adapter 'checkpoint' (released): the streaming model's own LoRA (LongLive's, rank 256, alpha 256) kept
       as a trainable adapter on all 10 Linear layers of each block, W x + alpha / r B A x, A and B trained on
-    adapter 'merged': that LoRA merged into W (models/wan_causal.py), a fresh adapter (B = 0) of lora_rank
+    adapter 'merged': that LoRA merged into W (streaming/wan_causal.py), a fresh adapter (B = 0) of lora_rank
       on the family's LORA_TARGETS (the attention projections)
     train_dtype 'bfloat16' (released): the weights AdamW updates, and its state, in bf16 (diffusers' fp32
       modules, norms and time embedding, stay fp32); 'float32': fp32 trained weights
@@ -29,10 +29,10 @@ ALL_LINEAR = ['attn1.to_q', 'attn1.to_k', 'attn1.to_v', 'attn1.to_out.0',
 def checkpoint_lora(path):
     """{diffusers module name: (A (r, in), B (out, r))} of the streaming model's own LoRA file (its
     model_index.json 'lora': LongLive's {'generator_lora': peft state dict} in the original Wan names)."""
-    from models import wan_causal
+    from streaming import wan_causal
     index = wan_causal._index(path)
     if not index.get('lora'):
-        raise SystemExit(f"adapter='checkpoint': {path!r} names no LoRA (python -m models.wan_causal ... --lora=)")
+        raise SystemExit(f"adapter='checkpoint': {path!r} names no LoRA (python -m streaming.wan_causal ... --lora=)")
     pairs = {}
     for k, v in wan_causal.read_state(index['lora'], keys=('generator_lora',)).items():
         k = k.replace('base_model.model.', '').replace('.default', '')
@@ -45,7 +45,7 @@ def checkpoint_lora(path):
 def load_unmerged(path):
     """The streaming transformer (fp32) of model directory `path` with its LoRA not merged."""
     from diffusers import WanTransformer3DModel
-    from models import wan_causal
+    from streaming import wan_causal
     from models.attention import backend
     index = wan_causal._index(path)
     config = WanTransformer3DModel.load_config(index['wan'], subfolder='transformer')

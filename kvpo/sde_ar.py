@@ -20,7 +20,7 @@ Tested by: python -m pytest tests/test_kvpo_sde.py
 import torch
 
 import sde
-from models import streaming
+import streaming
 
 
 def schedule(layout):

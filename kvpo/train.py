@@ -1,5 +1,5 @@
 """
-KVPO's loop (kvpo/kvpo.py, docs/kvpo.md) on a streaming video model (models/streaming.py): per rank one
+KVPO's loop (kvpo/kvpo.py, docs/kvpo.md) on a streaming video model (streaming/__init__.py): per rank one
 video an iteration (as released), its K routed branches and the anchor rolled out by the old policy,
 scored, their advantages against the anchor, the TVE softmax policy updated by one AdamW step.
 
@@ -84,7 +84,7 @@ ema_decay = 0.999               # the evaluated weights: an exponential average 
 max_iters = 3000                # iterations: rollouts, one optimizer step each (released: 1500 steps of old_every)
 prompts_per_iter = 8            # videos an iteration over all ranks, a prompt a segment (released: one a GPU)
 # ----------------------------------------------------------------------------- model, data, plumbing
-model = 'weights/LongLive'      # a streaming model directory (python -m models.wan_causal)
+model = 'weights/LongLive'      # a streaming model directory (python -m streaming.wan_causal)
 lora_rank = 256                 # LoRA rank (alpha = rank) on the generator; 0: full fine-tuning
 adapter = 'checkpoint'          # the model's own LoRA trained on, every Linear | 'merged': a fresh one (kvpo/optim.py)
 train_dtype = 'bfloat16'        # the trained weights and AdamW's state: 'bfloat16' (released) | 'float32'

@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 
-FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy', 'WanCausalPipeline': 'wan_causal', 'ToyWorldAR': 'toy_ar', 'ToyWorldSF': 'toy_sf'}  # _class_name -> file
+FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy', 'WanCausalPipeline': 'streaming.wan_causal', 'ToyWorldAR': 'streaming.toy_ar', 'ToyWorldSF': 'streaming.toy_sf'}  # _class_name -> file
 DEFAULT = 'hunyuan15'  # the family a directory that is not one is most likely meant to be
 
 INTERFACE = {  # item: what it is
@@ -38,7 +38,7 @@ OPTIONAL = {  # a world with an exact reward of its own (the toy) provides rewar
     'reward': "(frames, prompts, fps) -> {'VQ', 'MQ', 'TA', ...: (B,)}, the reward interface of reward.py",
     'manifold_distance': '(frames) -> (B,) distance of each clip to the data manifold',
     'generate': '(transformer, noise, text, gens, cfg, text_neg) -> latents (B, C, F, h, w): a family that samples by itself '
-                '(streaming: block by block from a KV cache, models/streaming.py); sample.py and the held-out '
+                '(streaming: block by block from a KV cache, streaming/__init__.py); sample.py and the held-out '
                 'evaluation call it in place of their sampler',
 }
 
@@ -64,12 +64,13 @@ def hold_frozen(module, dtype, buffers=False):
 
 def load_family(name):
     """The family file `name` (a value of FAMILIES), its interface checked."""
-    fam = importlib.import_module(f'models.{name}')
+    module = name if '.' in name else f'models.{name}'  # a sibling family (streaming/) by its full name
+    fam = importlib.import_module(module)
     missing = [item for item in INTERFACE if not hasattr(fam, item)]
     missing += [f"DEFAULTS['{k}']" for k in INTERFACE['DEFAULTS'].split(': ')[1].split(', ')
                 if k not in getattr(fam, 'DEFAULTS', {})]
     if missing:
-        raise TypeError(f'models/{name}.py lacks {", ".join(missing)} of the model interface '
+        raise TypeError(f'{module.replace(".", "/")}.py lacks {", ".join(missing)} of the model interface '
                         f'(models/__init__.py: INTERFACE)')
     return fam
 

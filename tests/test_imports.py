@@ -8,8 +8,10 @@ every importlib.import_module of a literal name):
 - models/ and extras/ import neither train.py nor sample.py, and extras/ is imported by no file of
   models/ or infra/ (an add-on stays one);
 - no file outside models/ imports a model family file (a family is picked by its model directory);
-- kvpo/ (KVPO, the streaming method, and its GRPO-with-an-SDE baseline) imports models/, infra/, reward.py
-  and the method files; nothing imports kvpo/;
+- streaming/ (the block-causal family: Wan made causal, its toys) is a sibling of SAGE-GRPO's models: it
+  imports models/, infra/ and the method files, and only kvpo/ imports it;
+- kvpo/ (KVPO, the streaming method, and its GRPO-with-an-SDE baseline) imports models/, streaming/, infra/,
+  reward.py and the method files; nothing imports kvpo/;
 - no import circle between files;
 - a family file that lacks an item of the interface is one error that names the item.
 """
@@ -23,13 +25,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARD = {'sde.py', 'equalizer.py', 'trust_region.py', 'reward.py', 'train.py', 'sample.py'}
 METHOD = {'sde', 'equalizer', 'trust_region', 'reward'}
-FOLDERS = ('models', 'infra', 'extras', 'kvpo')
-KVPO_USES = ('models', 'infra', 'reward', 'sde', 'equalizer', 'trust_region', 'kvpo')  # what kvpo/ may import
+FOLDERS = ('models', 'infra', 'extras', 'streaming', 'kvpo')
+KVPO_USES = ('models', 'streaming', 'infra', 'reward', 'sde', 'equalizer', 'trust_region', 'kvpo')
+STREAMING_USES = ('models', 'streaming', 'infra', 'sde', 'equalizer', 'trust_region')  # what streaming/ may import  # what kvpo/ may import
 FAMILIES = {'models.hunyuan15', 'models.wan', 'models.toy'}
 
 
 def modules():
-    """{module name: path} of the repository's code (the root files and the three folders)."""
+    """{module name: path} of the repository's code (the root files and the folders)."""
     out = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith('.py')}
     for d in FOLDERS:
         for f in os.listdir(os.path.join(ROOT, d)):
@@ -81,9 +84,13 @@ def violations(mods, deps):
                 bad.append(f'{m} imports the add-on {d}')
             if layer(d) == 'kvpo' and layer(m) != 'kvpo':
                 bad.append(f'{m} imports {d} (nothing imports kvpo/)')
+            if layer(d) == 'streaming' and layer(m) not in ('streaming', 'kvpo'):
+                bad.append(f'{m} imports {d} (only kvpo/ imports streaming/)')
+            if layer(m) == 'streaming' and layer(d) not in STREAMING_USES:
+                bad.append(f'{m} (streaming) imports {d}')
             if layer(m) == 'kvpo' and layer(d) not in KVPO_USES:
                 bad.append(f'{m} (kvpo) imports {d}')
-            if d in FAMILIES and layer(m) != 'models':
+            if d in FAMILIES and layer(m) not in ('models', 'streaming'):
                 bad.append(f'{m} names the model family {d}')
         if m in METHOD:
             third = top - stdlib - {'torch'} - METHOD

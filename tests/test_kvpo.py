@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpo import kvpo
-from models import streaming, toy_ar
+import streaming
+from streaming import toy_ar
 
 RELEASED = dict(frames=147, first=21, then=18, within=7, m=4, P=5, keep=33, K=8)
 SHAPE = (4, 2, 2)  # a frame's latent (C, h, w) for the tiny model

@@ -44,7 +44,7 @@ def test_kvpo_shuffled_advantages_permute_the_real_ones(tmp_path, monkeypatch):
 def test_fork_min_draws_only_later_forks():
     # kvpo.plan's earliest (kvpo/train.py --fork_min, bench/kvpo_verdicts.py's suspect control): forks before it are
     # never drawn; with it at 0 every eligible fork is drawn, fork 4's branches all alike (pool 2 = n_random)
-    from models import toy_sf
+    from streaming import toy_sf
     L, args = toy_sf.LAYOUT, (9, toy_sf.LAYOUT, 6, 1, 2, 9)
     assert kvpo.eligible_forks(9, L, 1, 2, 9, 9, 9, 1) == [4, 5, 6, 7]
     late = [kvpo.plan(*args, s, 9, 9, 1, earliest=6) for s in range(40)]

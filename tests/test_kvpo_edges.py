@@ -32,7 +32,8 @@ import torch
 
 import sde
 from kvpo import kvpo, sde_ar
-from models import streaming, toy_ar
+import streaming
+from streaming import toy_ar
 from infra import parallel
 
 TOY = toy_ar.LAYOUT  # block 1, sink 1, window 4

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from kvpo import kvpo, optim, segments
-from models import streaming, toy_ar
+import streaming
+from streaming import toy_ar
 from test_kvpo import SHAPE, text, tiny
 
 LONGLIVE = os.path.join(os.path.dirname(__file__), '..', 'kvpo', 'config', 'longlive.py')
@@ -207,7 +208,7 @@ def forward(net, seed=0):
 def test_checkpoint_lora_is_peft_lora_on_every_linear_and_trains(lora_model):
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
     from diffusers import WanTransformer3DModel
-    from models import wan_causal
+    from streaming import wan_causal
     path, sd, pairs = lora_model
     assert len(pairs) == 10 * 3  # 10 Linear a block, 3 blocks
     net = optim.load_generator(path, 'cpu', 256, 'checkpoint', 'float32')

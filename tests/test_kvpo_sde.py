@@ -18,7 +18,8 @@ import torch
 
 import sde
 from kvpo import sde_ar
-from models import streaming, toy_ar
+import streaming
+from streaming import toy_ar
 
 SHAPE, FRAMES, ETA = (4, 2, 2), 6, 0.5  # a frame's latent (C, h, w); past the toy's window of 4
 

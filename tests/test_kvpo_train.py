@@ -44,7 +44,7 @@ TIMES = ('t_rollout', 't_update')
 
 @pytest.fixture(scope='module')
 def model(tmp_path_factory):
-    from models import toy_ar
+    from streaming import toy_ar
     d = str(tmp_path_factory.mktemp('kvpo_model') / 'toy_ar')
     old = toy_ar.DIR, toy_ar.STEPS
     toy_ar.DIR, toy_ar.STEPS = d, 2

@@ -1,6 +1,6 @@
 """
-Each streaming model sampled as its own inference code samples it (models/streaming.py LAYOUTS,
-models/wan_causal.py --layout). python -m pytest tests/test_layouts.py
+Each streaming model sampled as its own inference code samples it (streaming/__init__.py LAYOUTS,
+streaming/wan_causal.py --layout). python -m pytest tests/test_layouts.py
 - for LongLive, Self-Forcing and CausVid, generation from the KV cache (streaming.generate with the layout
   the conversion records) equals a brute-force sampler written here from the released code's rules: per block
   and step one forward of diffusers' stock WanTransformer3DModel over every frame so far, under a frame mask
@@ -22,7 +22,8 @@ import sys
 import pytest
 import torch
 
-from models import streaming, wan_causal
+import streaming
+from streaming import wan_causal
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_wan_causal import Masked, tiny_pair  # noqa: E402

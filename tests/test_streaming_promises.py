@@ -1,5 +1,5 @@
 """
-What models/streaming.py's and kvpo's docstrings promise of guidance and of the noise, against references
+What streaming/__init__.py's and kvpo's docstrings promise of guidance and of the noise, against references
 written here on a tiny random streaming model (toy_ar's transformer). python -m pytest tests/test_streaming_promises.py
 - streaming.generate with cfg != 1: classifier-free guidance against context_neg, each branch with its own
   cache rows: a reference that runs the two branches with two caches of their own (the negative one
@@ -15,7 +15,8 @@ written here on a tiny random streaming model (toy_ar's transformer). python -m 
 import torch
 
 from kvpo import kvpo
-from models import streaming, toy_ar
+import streaming
+from streaming import toy_ar
 
 FRESH = dict(toy_ar.LAYOUT, renoise='fresh')  # block 1, sink 1, window 4; fresh noise between steps
 FRAMES = 6  # past the window

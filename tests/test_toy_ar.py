@@ -1,5 +1,5 @@
 """
-The streaming toy (models/toy_ar.py). python -m pytest tests/test_toy_ar.py
+The streaming toy (streaming/toy_ar.py). python -m pytest tests/test_toy_ar.py
 - the committed model (assets/toy_ar) is this family's, loads through the family table, and generates the
   held-out prompts block by block with frames leaving the window (the sink kept), scored by the toy's exact
   reward and manifold distance above what a collapsed model scores (assets/toy_ar/eval.log: it is weaker
@@ -12,7 +12,9 @@ import os
 
 import torch
 
-from models import family, family_of, streaming, toy, toy_ar
+from models import family, family_of, toy
+import streaming
+from streaming import toy_ar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(ROOT, toy_ar.DIR)
@@ -39,7 +41,7 @@ def test_committed_model_streams_the_toy_world():
     r = fam.reward(frames, prompts)
     composite = (0.5 * r['VQ'] + 0.5 * r['MQ'] + r['TA']).mean().item()
     # assets/toy_ar/eval.log: 0.335 on 16 x 4 (the bidirectional base 0.666); a model that collapses to the
-    # grey mean scored 0.17-0.21 (models/toy_ar.py), pure noise about 0
+    # grey mean scored 0.17-0.21 (streaming/toy_ar.py), pure noise about 0
     assert composite > 0.28 and r['colour'].mean() > 0.45, (composite, {k: v.mean().item() for k, v in r.items()})
     assert fam.manifold_distance(frames).mean() < 0.13
 

@@ -1,5 +1,5 @@
 """
-The distilled streaming toy (models/toy_sf.py). python -m pytest tests/test_toy_sf.py
+The distilled streaming toy (streaming/toy_sf.py). python -m pytest tests/test_toy_sf.py
 - the sampler's schedule and re-noising: the sigmas are the stated 1, 15/16, 5/6, 5/8 (timesteps 1000..250 at
   shift 5, computed here from the formula), and with a stand-in velocity every step's input is
   (1 - s') (x - s v) + s' z with z the sample's own generator's next draw, the block written at sigma 0;
@@ -17,7 +17,9 @@ import os
 import pytest
 import torch
 
-from models import family, family_of, streaming, toy, toy_ar, toy_sf
+from models import family, family_of, toy
+import streaming
+from streaming import toy_ar, toy_sf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(ROOT, toy_sf.DIR)

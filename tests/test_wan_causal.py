@@ -1,5 +1,5 @@
 """
-Streaming Wan (models/streaming.py, models/wan_causal.py). python -m pytest tests/test_wan_causal.py
+Streaming Wan (streaming/__init__.py, streaming/wan_causal.py). python -m pytest tests/test_wan_causal.py
 - generation block by block from the KV cache equals, block by block and step by step, one forward of
   diffusers' stock WanTransformer3DModel (its own WanAttnProcessor and RoPE) over the whole prefix with a
   block-causal mask written here, inside the window and past it (frames dropped, the sink kept); the
@@ -23,7 +23,9 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from models import family, streaming, wan_causal
+from models import family
+import streaming
+from streaming import wan_causal
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_wan_causal import inputs, make_tiny_causal, original_name  # noqa: E402

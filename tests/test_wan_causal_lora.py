@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import wan_causal
+from streaming import wan_causal
 
 R, DIM, FFN = 4, 24, 32
 

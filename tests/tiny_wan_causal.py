@@ -1,8 +1,8 @@
 """
-A tiny causal Wan model directory for tests (models/wan_causal.py): the tiny Wan pipeline of tiny_wan.py
+A tiny causal Wan model directory for tests (streaming/wan_causal.py): the tiny Wan pipeline of tiny_wan.py
 (3 transformer layers: a cache bug that only shows in a layer after the first write needs more than two),
 a generator checkpoint of random weights saved in the ORIGINAL Wan key names as the self-forcing line saves
-them ({'generator': {'model.' + name: tensor}}), and the directory `python -m models.wan_causal` writes.
+them ({'generator': {'model.' + name: tensor}}), and the directory `python -m streaming.wan_causal` writes.
 The original names are written here, by hand, from Wan's own module names (blocks.N.self_attn.q, ffn.0,
 head.head, norm3 the cross-attention's norm, ...), not by inverting diffusers' conversion: the round trip
 of test_wan_causal.py checks the two agree. Not a test file itself (no test_ prefix).
@@ -50,7 +50,7 @@ def make_tiny_causal(root, layers=LAYERS, layout=None):
     """root/wan (the tiny pipeline), root/generator.pt (original names), root/causal (the model directory,
     `layout` written into its index if given). Returns (causal dir, the diffusers-named state dict)."""
     from diffusers import WanTransformer3DModel
-    from models import wan_causal
+    from streaming import wan_causal
     wan = make_tiny_wan(os.path.join(root, 'wan'), {**TINY, 'transformer': {**TINY['transformer'], 'num_layers': layers}})
     sd = random_generator(WanTransformer3DModel.load_config(wan, subfolder='transformer'))
     gen = os.path.join(root, 'generator.pt')
@@ -66,7 +66,7 @@ def make_tiny_causal(root, layers=LAYERS, layout=None):
 
 def inputs(path):
     """What test_wan_causal's FSDP test generates on 1 process and on 2 ranks: 2 prompts, 21 frames."""
-    from models import wan_causal
+    from streaming import wan_causal
     text = wan_causal.text_encoder(path, 'cpu')(['a red circle moving left', 'a fox runs through deep snow'])
     noise = torch.randn(2, *wan_causal.latent_shape(path, 21, 16, 16), generator=torch.Generator().manual_seed(5))
     return noise, text, [torch.Generator().manual_seed(s) for s in (11, 12)]

@@ -1,5 +1,5 @@
 # KVPO on LongLive (Wan 2.1 T2V 1.3B, block-causal) as released (docs/kvpo.md section 1; configs/train_kvpo_longlive.yaml):
-#   python -m models.wan_causal weights/LongLive --wan=weights/Wan2.1-T2V-1.3B \
+#   python -m streaming.wan_causal weights/LongLive --wan=weights/Wan2.1-T2V-1.3B \
 #       --generator=weights/LongLive-ckpt/models/longlive_base.pt --lora=weights/LongLive-ckpt/models/lora.pt
 #   torchrun --nproc_per_node=8 -m kvpo.train kvpo/config/longlive.py
 # Per-GPU memory: results/kvpo_memory.md. Everything not set here is kvpo/train.py's default (the released value).

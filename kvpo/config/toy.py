@@ -1,4 +1,4 @@
-# KVPO on the AR toy (models/toy_ar.py): the released method scaled to the toy's layout, on a CPU in minutes.
+# KVPO on the AR toy (streaming/toy_ar.py): the released method scaled to the toy's layout, on a CPU in minutes.
 #   python -m kvpo.train kvpo/config/toy.py
 #   torchrun --nproc_per_node=2 -m kvpo.train kvpo/config/toy.py
 # The toy's layout is the released one scaled down (block 1, sink 1, window 4, 8 ODE steps; docs/streaming.md 5):

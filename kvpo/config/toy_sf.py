@@ -1,4 +1,4 @@
-# KVPO on the distilled streaming toy (models/toy_sf.py): the released 4-step sampler (sigmas 1, .9375, .8333,
+# KVPO on the distilled streaming toy (streaming/toy_sf.py): the released 4-step sampler (sigmas 1, .9375, .8333,
 # .625, fresh re-noising, no guidance), the toy's layout (block 1, sink 1, window 4). An overlay of the AR toy's
 # config, whose every other setting it keeps (the first 2 of the 4 steps carry gradient, as released); the
 # verdicts of bench/kvpo_verdicts.py run on it, at this lr 1e-4 and the released 1e-5.
@@ -7,4 +7,4 @@ model = 'assets/toy_sf'
 train_prompts = 'assets/toy_sf/train_prompts.txt'
 eval_prompts = 'assets/toy_sf/eval_prompts.txt'
 out_dir = 'out-kvpo-toy-sf'
-context_noise = 0.0             # the toy was distilled with its cache written from x0 itself (models/toy_sf.py)
+context_noise = 0.0             # the toy was distilled with its cache written from x0 itself (streaming/toy_sf.py)

@@ -1,12 +1,12 @@
 """
 Streaming Wan: Wan 2.1 T2V 1.3B made block-causal (LongLive, Self-Forcing, CausVid), generating a clip
-block by block from a rolling KV cache (models/streaming.py), behind the model interface (models/__init__.py).
+block by block from a rolling KV cache (streaming/__init__.py), behind the model interface (models/__init__.py).
 A causal model directory names a diffusers Wan 2.1 directory (config, text encoder, VAE) and a generator
 checkpoint in the original Wan key names (optionally a LoRA):
 
     hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir weights/Wan2.1-T2V-1.3B
     hf download Efficient-Large-Model/LongLive-1.3B --local-dir weights/LongLive-ckpt
-    python -m models.wan_causal weights/LongLive --wan=weights/Wan2.1-T2V-1.3B --layout=longlive \
+    python -m streaming.wan_causal weights/LongLive --wan=weights/Wan2.1-T2V-1.3B --layout=longlive \
         --generator=weights/LongLive-ckpt/models/longlive_base.pt --lora=weights/LongLive-ckpt/models/lora.pt
     python sample.py --model=weights/LongLive --device=cuda --prompts=prompts/eval.txt
 
@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from diffusers import WanTransformer3DModel
 
-from models import streaming, wan
+from models import wan
+import streaming
 from models.attention import ATTENTIONS, backend as dispatcher_backend
 
 PIPELINE = 'WanCausalPipeline'
@@ -149,7 +150,7 @@ def _index(path):
         with open(os.path.join(path, 'model_index.json')) as f:
             index = json.load(f)
     except (OSError, ValueError) as e:
-        raise SystemExit(f'{path!r}: no readable model_index.json ({e}); write one with python -m models.wan_causal')
+        raise SystemExit(f'{path!r}: no readable model_index.json ({e}); write one with python -m streaming.wan_causal')
     here = lambda p: p if p is None or os.path.isabs(p) else os.path.join(path, p)
     return {**index, 'wan': here(index['wan']), 'generator': here(index['generator']), 'lora': here(index.get('lora'))}
 

@@ -1,9 +1,9 @@
 """
 The streaming toy, distilled as the released streaming models are (Self-Forcing's recipe): a block-causal student
-(the architecture of models/toy_ar.py) that samples with the released 4-step x0 sampler and fresh re-noising.
+(the architecture of streaming/toy_ar.py) that samples with the released 4-step x0 sampler and fresh re-noising.
 
-    python -m models.toy_sf            # both stages into assets/toy_sf (ode_init/, transformer/, train.log)
-    python -m models.toy_sf stage2     # stage 2 alone from assets/toy_sf/ode_init (the same run's second half)
+    python -m streaming.toy_sf            # both stages into assets/toy_sf (ode_init/, transformer/, train.log)
+    python -m streaming.toy_sf stage2     # stage 2 alone from assets/toy_sf/ode_init (the same run's second half)
     python -m bench.toy_sf             # held-out quality beside the bidirectional base -> results/toy_sf.*
     python sample.py --model=assets/toy_sf --beside=assets/toy --checkpoint=
     python -m pytest tests/test_toy_sf.py
@@ -45,8 +45,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models import policy, streaming, toy, toy_ar
-from models.wan_causal import CausalWanTransformer3DModel
+from models import policy, toy
+import streaming
+from streaming import toy_ar
+from streaming.wan_causal import CausalWanTransformer3DModel
 
 # ----------------------------------------------------------------------------- settings
 DIR = 'assets/toy_sf'           # committed model directory (transformer/, ode_init/, the toy's text table, prompts)
@@ -305,7 +307,7 @@ def save(net, out):
     for f in ('text_embeddings.safetensors', 'train_prompts.txt', 'eval_prompts.txt'):  # the toy's own
         shutil.copy(os.path.join(toy._HERE, toy.DIR, f), out)
     with open(os.path.join(out, 'model_index.json'), 'w') as f:
-        f.write('{\n "_class_name": "ToyWorldSF",\n "_comment": "the distilled streaming toy of models/toy_sf.py: '
+        f.write('{\n "_class_name": "ToyWorldSF",\n "_comment": "the distilled streaming toy of streaming/toy_sf.py: '
                 'a tiny block-causal WanTransformer3DModel in transformer/, sampled in 4 steps"\n}\n')
 
 
@@ -354,5 +356,5 @@ def load_transformer(path, meta=False, attention=None, backend='native'):
 
 if __name__ == '__main__':
     if sys.argv[1:] not in ([], ['stage2']):
-        raise SystemExit('usage: python -m models.toy_sf [stage2]   (stage2: stage 2 alone from DIR/ode_init)')
+        raise SystemExit('usage: python -m streaming.toy_sf [stage2]   (stage2: stage 2 alone from DIR/ode_init)')
     train(os.path.join(toy._HERE, DIR, 'ode_init') if sys.argv[1:] == ['stage2'] else None)

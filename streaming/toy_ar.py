@@ -1,10 +1,10 @@
 """
-The toy world, streaming: a tiny block-causal Wan (models/streaming.py, the machinery of models/wan_causal.py)
+The toy world, streaming: a tiny block-causal Wan (streaming/__init__.py, the machinery of streaming/wan_causal.py)
 trained on the toy's clips (models/toy.py: the same world, captions, text table, exact autoencoder, reward
 and manifold distance), so the streaming path runs end to end on a CPU.
 
-    python -m models.toy_ar          # train it into assets/toy_ar (minutes on one busy CPU thread), evaluate
-    python -m models.toy_ar eval     # evaluate the committed one beside the bidirectional base (assets/toy)
+    python -m streaming.toy_ar          # train it into assets/toy_ar (minutes on one busy CPU thread), evaluate
+    python -m streaming.toy_ar eval     # evaluate the committed one beside the bidirectional base (assets/toy)
     python sample.py --model=assets/toy_ar
     python -m pytest tests/test_toy_ar.py
 
@@ -35,9 +35,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models import streaming, toy, wan
+from models import toy, wan
+import streaming
 from models.attention import backend as dispatcher_backend
-from models.wan_causal import CausalWanTransformer3DModel
+from streaming.wan_causal import CausalWanTransformer3DModel
 
 # ----------------------------------------------------------------------------- settings
 DIR = 'assets/toy_ar'           # committed model directory (transformer/, the toy's text table and prompts)
@@ -117,7 +118,7 @@ def train():
     log.close()
     ema.save_pretrained(os.path.join(out, 'transformer'))
     with open(os.path.join(out, 'model_index.json'), 'w') as f:
-        f.write('{\n "_class_name": "ToyWorldAR",\n "_comment": "the streaming toy of models/toy_ar.py: a tiny '
+        f.write('{\n "_class_name": "ToyWorldAR",\n "_comment": "the streaming toy of streaming/toy_ar.py: a tiny '
                 'block-causal WanTransformer3DModel in transformer/, the toy world\'s text table"\n}\n')
 
 
@@ -153,7 +154,7 @@ reward, manifold_distance, text_encoder = toy.reward, toy.manifold_distance, toy
 
 
 def load_transformer(path, meta=False, attention=None, backend='native', cls=None, layout=None):
-    # cls, layout: another streaming toy's (models/toy_sf.py), the same loading
+    # cls, layout: another streaming toy's (streaming/toy_sf.py), the same loading
     cls, layout, sub = cls or ToyARTransformer, layout or LAYOUT, os.path.join(path, 'transformer')
     if meta:
         with torch.device('meta'):
@@ -203,4 +204,4 @@ if __name__ == '__main__':
     lines += [f'{name:22}' + ''.join(f'{row[k]:11.4f}' for k in keys) for name, row in table.items()]
     print('\n'.join(lines))
     with open(os.path.join(toy._HERE, DIR, 'eval.log'), 'w') as f:
-        f.write(f'held-out prompts x {EVAL_SEEDS} seeds (python -m models.toy_ar eval)\n' + '\n'.join(lines) + '\n')
+        f.write(f'held-out prompts x {EVAL_SEEDS} seeds (python -m streaming.toy_ar eval)\n' + '\n'.join(lines) + '\n')

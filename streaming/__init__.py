@@ -1,8 +1,8 @@
 """
 Block-causal generation from a rolling KV cache, for any diffusers WanTransformer3DModel: the
 self-forcing line of streaming video models (Self-Forcing, CausVid, LongLive, MemFlow, Reward Forcing)
-run on diffusers' own modules. Used by models/wan_causal.py (Wan 2.1 1.3B, each released model's layout,
-LAYOUTS) and models/toy_ar.py (the toy world, scaled down). docs/streaming.md explains it; in four lines:
+run on diffusers' own modules. Used by streaming/wan_causal.py (Wan 2.1 1.3B, each released model's layout,
+LAYOUTS) and streaming/toy_ar.py (the toy world, scaled down). docs/streaming.md explains it; in four lines:
 
     the clip is cut into blocks of `block` latent frames, generated one after another;
     a block's self-attention sees the `sink` first frames, the frames of the last `window - sink`
@@ -14,13 +14,13 @@ LAYOUTS) and models/toy_ar.py (the toy world, scaled down). docs/streaming.md ex
 LAYOUTS holds the released models' layouts as their inference code samples them: LongLive (window 12, sink
 3, 4 steps warped at shift 5), Self-Forcing (global causal attention, no sink, the same steps), CausVid
 (global, steps 1000/757/522 unwarped: the model called at t, sigma the shift-8 grid's nearest point).
-MemFlow's memory bank is not built (models/wan_causal.py refuses it).
+MemFlow's memory bank is not built (streaming/wan_causal.py refuses it).
 
 Only the attention processors are new (StreamSelf, StreamCross): patch embedding, timestep and text
 embedding, norms, feed-forward and output are diffusers' WanTransformer3DModel.forward itself, called once
 per block and step (so FSDP2 and LoRA wrap it as they wrap the bidirectional Wan). forward_masked runs a
 whole sequence of frames at once under a frame-level mask instead of the cache (teacher-forced training:
-clean frames then noisy ones, models/toy_ar.py).
+clean frames then noisy ones, streaming/toy_ar.py).
 
 Tested by: python -m pytest tests/test_wan_causal.py tests/test_layouts.py (generation from the cache
 equals one masked full forward of diffusers' stock model per block and step, inside the window and past
