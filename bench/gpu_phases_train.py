@@ -293,15 +293,14 @@ def smoke(c, rec, save):
     rec.update(backend='nccl' if cuda(c) else 'gloo', runs=[])
     env = dict(os.environ, OMP_NUM_THREADS='1', TOKENIZERS_PARALLELISM='false')
     for name, launch, extra in runs:
-        log = os.path.join(c['work_dir'], f'smoke_{name}.log')
         t = clock(c)
-        with open(log, 'w') as f:
-            p = subprocess.run(launch + args + extra, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        sys.stdout.flush()
+        # train.py's output into this phase's own (its log, whose tail gpu_check copies to <out> as it runs)
+        p = subprocess.run(launch + args + extra, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
         how = f"torchrun x{launch[-1].split('=')[1]}" if len(launch) > 1 else 'python'
         rec['runs'].append(dict(name=name, how=how, rc=p.returncode, s=round(clock(c) - t, 1)))
         save()
         if p.returncode:
-            print(open(log).read()[-6000:])
             raise RuntimeError(f'train.py ({name}) exited {p.returncode}')
     with open(os.path.join(out, 'metrics.jsonl')) as f:
         rows = [json.loads(line) for line in f if 'reward' in line]

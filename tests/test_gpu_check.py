@@ -3,8 +3,10 @@ bench/gpu_check.py, the one command for a lent GPU, on its CPU path: every phase
 in the order env, smoke, update, attention, reward, drift (slow tier, ~3 min on 2 cores), and the time
 limits: a phase killed at its limit, and one the deadline leaves no time for, each still leave a json that
 says so; the env phase stops the check at once, with one line, when the carried wheels do not import;
-the attention phase picks only a backend that agrees with native; the carried wheels are the tested
-versions; the phases' modules import one way (no circle).
+a phase at its limit ends with every process under it (a child in a session of its own, as torchrun
+starts its workers, included) and its output's tail reaches <out> while it runs; an env phase cut short
+after its all-reduce stops nothing; the attention phase picks only a backend that passed its gate; the
+carried wheels are the tested versions; the phases' modules import one way (no circle).
 
     python -m pytest -m slow tests/test_gpu_check.py
 """
@@ -14,7 +16,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +42,53 @@ def test_a_phase_out_of_time_still_leaves_its_json(tmp_path):
     assert recs['1_smoke.json']['error'] == 'killed at its limit of 3 s'
     assert recs['5_drift.json']['status'] == 'skipped'  # 1 s left: not started
     assert [l.split(':')[0] for l in lines[:2]] == ['1 smoke', '5 drift']
+
+
+def test_a_phase_ended_at_its_limit_leaves_no_process_behind(monkeypatch):
+    """A launcher whose child starts a session of its own (torchrun's workers do) and outlives it: end_tree
+    of the launcher ends both; a kill of the launcher's group would have left the child running."""
+    monkeypatch.setattr(sys, 'argv', ['gpu_check'])  # its settings read the command line at import
+    from bench.gpu_check import end_tree
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(600)'], start_new_session=True); print(c.pid, flush=True); time.sleep(600)")
+    launcher = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    child = psutil.Process(int(launcher.stdout.readline()))
+    assert os.getsid(child.pid) != os.getsid(launcher.pid)  # out of reach of os.killpg(launcher's group)
+    end_tree(launcher.pid)
+    assert launcher.wait(timeout=10) == -9
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE  # a zombie awaits init's reaping
+
+
+def test_env_cut_short_after_its_all_reduce_stops_nothing(monkeypatch):
+    monkeypatch.setattr(sys, 'argv', ['gpu_check'])
+    from bench.gpu_check import env_passed
+    assert env_passed(dict(status='timeout', all_reduce=dict(ok=True)))  # the matmul or SDPA profile ran long
+    assert not env_passed(dict(status='timeout'))  # the imports or the all-reduce did not finish
+    assert not env_passed(dict(status='failed', all_reduce=dict(ok=False)))
+
+
+@pytest.mark.slow  # smoke killed mid-run: ~40 s
+def test_a_smoke_killed_mid_run_leaves_no_worker_and_its_tail_in_out(tmp_path):
+    """The smoke phase at a limit that falls while train.py's torchrun workers run: while it runs, its
+    output's tail is in <out>/gpu_check.log; once the check ends, no process of the run is left."""
+    out, work = tmp_path / 'out', tmp_path / 'work'
+    p = subprocess.Popen([sys.executable, '-m', 'bench.gpu_check', '--device=cpu', f'--out={out}',
+                          f'--work_dir={work}', '--phases=smoke', '--phase_timeout=35', '--tail_every=1'],
+                         cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    mine = lambda: [q for q in psutil.process_iter(['cmdline']) if str(work) in ' '.join(q.info['cmdline'] or [])
+                    and q.pid != p.pid and q.status() != psutil.STATUS_ZOMBIE]  # noqa: E731
+    workers, running_log = set(), ''
+    while p.poll() is None:
+        workers |= {q.pid for q in mine() if 'train.py' in ' '.join(q.info['cmdline'])}
+        log = out / 'gpu_check.log'
+        if log.exists() and 'smoke: running' in log.read_text():
+            running_log = log.read_text()
+        time.sleep(0.5)
+    assert 'smoke: timeout' in p.stdout.read()
+    assert running_log.startswith('===== 1_smoke: running'), running_log
+    assert workers, 'no train.py process was seen: the limit fell before torchrun started'
+    assert mine() == []
 
 
 def test_without_the_carried_wheels_the_env_phase_stops_everything_in_one_line(tmp_path):
