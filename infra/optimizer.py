@@ -34,11 +34,17 @@ Where this differs from the released code and why:
 - a matrix without a gradient is skipped (torch); the released Muon steps it with a zero gradient
   (decay and momentum keep moving it).
 
-Tested by: python -m pytest tests/test_optimizer.py   (2 FSDP ranks vs one process, torchrun on CPU)
+torch's Newton-Schulz and lr rule are private functions of torch.optim._muon (present in 2.9-2.13); where
+a torch lacks them, newton_schulz() and adjust_lr() below (the same math) stand in, said once in the log.
+
+Tested by: python -m pytest tests/test_optimizer.py   (2 FSDP ranks vs one process, torchrun on CPU;
+           tests/test_private_torch.py: the stand-ins with torch's private functions hidden)
 """
+import math
+
 import torch
+import torch.optim._muon as torch_muon  # the module of torch.optim.Muon (public since 2.9)
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from infra.parallel import reshard
 
@@ -47,6 +53,44 @@ MOMENTUM = 0.95            # Muon's Nesterov momentum: the released value, fixed
 ADAMW_BETAS = (0.95, 0.95)  # betas of the AdamW part of the muon setting (the released Muon's backup)
 ADAMW_EPS = 1e-8           # eps of that AdamW part
 ADJUST_LR = 'match_rms_adamw'  # lr * 0.2 * sqrt(max(A, B)): the released adjust_lr_for_muon
+_SAID = set()  # the private torch functions found missing, each said once
+
+
+def _torch_private(name):
+    """torch.optim._muon's private function `name`, or None where this torch lacks it (said once)."""
+    fn = getattr(torch_muon, name, None)
+    if fn is None and name not in _SAID:
+        _SAID.add(name)
+        print(f'optimizer: torch {torch.__version__} has no torch.optim._muon.{name}: infra/optimizer.py\'s '
+              'own stands in (the same math)', flush=True)
+    return fn
+
+
+def newton_schulz(G, coefficients, steps, eps):
+    """~U V^T of G = U S V^T (singular values pushed near 1, roughly 0.5-1.5, not exactly), in bf16: from
+    X = G / |G|_F (so every singular value <= 1), `steps` quintic iterations X <- a X + (b A + c A^2) X with
+    A = X X^T, on the orientation with fewer rows (the smaller Gram matrix A)."""
+    tall = G.size(0) > G.size(1)
+    X = G.bfloat16().T if tall else G.bfloat16()  # (rows <= cols)
+    X = X / X.norm().clamp(min=eps)
+    a, b, c = coefficients
+    for _ in range(steps):
+        A = X @ X.T
+        X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)  # fused: one bf16 rounding a product
+    return X.T if tall else X
+
+
+def orthogonalise(update, group):
+    """torch's Newton-Schulz of Muon (private), else newton_schulz(): the same iteration."""
+    fn = _torch_private('_zeropower_via_newtonschulz') or newton_schulz
+    return fn(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
+
+
+def adjust_lr(lr, shape):
+    """Muon's lr for an (A, B) matrix under ADJUST_LR: lr * 0.2 * sqrt(max(A, B)) (torch's private
+    _adjust_lr where present)."""
+    fn = _torch_private('_adjust_lr')
+    return fn(lr, ADJUST_LR, shape) if fn else lr * 0.2 * math.sqrt(max(shape[0], shape[1]))
 
 
 class Muon(torch.optim.Muon):
@@ -66,13 +110,12 @@ class Muon(torch.optim.Muon):
                 buf.lerp_(p.grad, 1 - mu)  # elementwise: on the local shard
                 update = p.grad.lerp(buf, mu) if group['nesterov'] else buf
                 if isinstance(update, DTensor):  # gather the matrix, orthogonalise, keep our rows
-                    full = _zeropower_via_newtonschulz(update.full_tensor(), group['ns_coefficients'],
-                                                       group['ns_steps'], group['eps'])
+                    full = orthogonalise(update.full_tensor(), group)
                     ortho = distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
                 else:
-                    ortho = _zeropower_via_newtonschulz(update, group['ns_coefficients'], group['ns_steps'], group['eps'])
+                    ortho = orthogonalise(update, group)
                 p.mul_(1 - group['lr'] * group['weight_decay'])  # decoupled decay with the plain lr
-                p.add_(ortho, alpha=-_adjust_lr(group['lr'], group['adjust_lr_fn'], p.shape))  # (A, B): global
+                p.add_(ortho, alpha=-adjust_lr(group['lr'], p.shape))  # (A, B): the global shape
         return None
 
 

@@ -84,10 +84,15 @@ def expandable_segments():
     torch's own setter, not only the environment: torch parses the variable once, at the first look at
     its allocator config, and a variable written after that look is never read (an import that asked
     first would have made it a no-op). The variable is written too, for the processes this one starts.
-    Called before CUDA initialises (init()); allocator_line() says what torch then reports."""
+    Called before CUDA initialises (init()); allocator_line() says what torch then reports. The setter is
+    private (torch._C, present in 2.13): where a torch lacks it, the variable alone is written, which
+    holds only if torch has not read its config yet (said once)."""
     if 'PYTORCH_CUDA_ALLOC_CONF' not in os.environ and 'PYTORCH_ALLOC_CONF' not in os.environ:
         os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'
-        torch._C._accelerator_setAllocatorSettings('expandable_segments:True')
+        setter = _torch_private('_accelerator_setAllocatorSettings',
+                                'PYTORCH_CUDA_ALLOC_CONF written only, read if torch has not yet read it')
+        if setter:
+            setter('expandable_segments:True')
 
 
 def allocator_line(device):
@@ -95,7 +100,9 @@ def allocator_line(device):
     they were set, and on a GPU whether the first segment is expandable (torch's memory snapshot)."""
     if not str(device).startswith('cuda'):
         return f'allocator: {device}: no CUDA caching allocator (expandable_segments applies on GPUs only)'
-    settings = torch._C._accelerator_getAllocatorSettings() or '(torch defaults)'
+    getter = _torch_private('_accelerator_getAllocatorSettings', 'the environment\'s setting reported instead')
+    env = os.environ.get('PYTORCH_CUDA_ALLOC_CONF', os.environ.get('PYTORCH_ALLOC_CONF'))
+    settings = (getter() if getter else env and f'{env} (environment)') or '(torch defaults)'
     probe = torch.empty(1, device=device)  # a segment, to read back how the allocator made it
     segments = torch.cuda.memory_snapshot()
     expandable = any(s.get('is_expandable') for s in segments) if segments else None
@@ -105,6 +112,17 @@ def allocator_line(device):
 
 
 _cuda_was_up = False  # init(): CUDA had initialised before the allocator setting (too late for it)
+_SAID = set()  # the private torch functions found missing, each said once
+
+
+def _torch_private(name, instead):
+    """torch._C's private function `name`, or None where this torch lacks it (said once, with what
+    is done `instead`)."""
+    fn = getattr(torch._C, name, None)
+    if fn is None and name not in _SAID:
+        _SAID.add(name)
+        print(f'allocator: torch {torch.__version__} has no torch._C.{name}: {instead}', flush=True)
+    return fn
 
 
 def _store(timeout):
