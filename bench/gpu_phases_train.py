@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from bench.gpu_common import GiB, ROOT, allocated_gib, clock, cuda, latents, one_rank, peak_gib, text, \
+from bench.gpu_common import GiB, ROOT, allocated_gib, clip, clock, cuda, latents, one_rank, peak_gib, text, \
     transformer, transformer_config
 
 sys.path.insert(0, os.path.join(ROOT, 'tests'))  # the tests' tiny models (tiny_*.py)
@@ -77,24 +77,49 @@ def micro_step(c, net, anchor, opts, x, x_next, mean_old, s, s_next, txt, txt_ne
     return out
 
 
-def update(c, rec, save):
-    """Micro-steps at K and 2K blocks, autocast on and off; slopes to 54 blocks and 8 ranks: time, MFU
-    and the rank's memory peak with the reward models resident (extrapolate)."""
+def update_steps(c, blocks, backend, amp, reps):
+    """A transformer of `blocks` blocks on attention `backend`, wrapped as train.py wraps the policy (FSDP2,
+    gradient checkpointing, Muon + AdamW, the dual anchor), and `reps` micro-steps of it at clip(c) (in a
+    process group: one_rank): the last one's {part: (seconds, peak GiB)}, the state at rest, the weights'
+    count, and whether every weight is finite after the optimizer steps."""
     import sde
-    import torch.distributed as dist
     from infra.optimizer import build
     from models.policy import shard
     from trust_region import Anchor
+    dev = c['device']
+    Fr, H, W = clip(c)
+    n = (1000, 256) if cuda(c) else (8, 4)  # both branches fully valid: bench.fullsize's text (its FLOPs)
+    sig, k = sde.sigmas(20, 5.0), 10
+    cfg = transformer_config(c, blocks)
+    net = transformer(c, cfg, backend)
+    net.enable_gradient_checkpointing()
+    shard(net, net.transformer_blocks, cuda=cuda(c))  # fp32 master, bf16 compute on a GPU
+    opts, anchor = build(net, 'muon', 1e-5, 0.01), Anchor(net, 'dual', every=10)
+    g = torch.Generator().manual_seed(0)
+    shape = latents(cfg, Fr, H, W)
+    x, x_next, mean_old = (torch.randn(1, *shape, generator=g).to(dev) for _ in range(3))
+    txt, txt_neg = text(cfg, 1, n, dev, g), text(cfg, 1, n, dev, g)
+    for rep in range(reps):  # on a GPU the first warms up (kernels, allocator)
+        parts = micro_step(c, net, anchor, opts, x, x_next, mean_old, sig[k].item(), sig[k + 1].item(), txt,
+                           txt_neg, amp)
+    # at rest between micro-steps: the weights, the optimizer's state, the anchor (no gradient)
+    finite = all(bool(torch.isfinite(p.detach().to_local() if hasattr(p, 'to_local') else p.detach()).all())
+                 for p in net.parameters())
+    return dict(parts=parts, state_gib=allocated_gib(c), params=sum(p.numel() for p in net.parameters()),
+                finite=finite)
+
+
+def update(c, rec, save):
+    """Micro-steps at K and 2K blocks, autocast on and off; slopes to 54 blocks and 8 ranks: time, MFU
+    and the rank's memory peak with the reward models resident (extrapolate)."""
+    import torch.distributed as dist
     if cuda(c):
         from infra.parallel import expandable_segments
         expandable_segments()  # train.py's allocator setting, before CUDA starts
     one_rank(c)
-    dev, K, depth = c['device'], c['blocks'], 54
-    Fr, H, W = (c['num_frames'], c['height'], c['width']) if cuda(c) else (9, 64, 96)
-    n = (1000, 256) if cuda(c) else (8, 4)  # both branches fully valid: bench.fullsize's text (its FLOPs)
-    sig, k = sde.sigmas(20, 5.0), 10
-    s, s_next = sig[k].item(), sig[k + 1].item()
-    rec.update(clip=[Fr, H, W], text=n, blocks=[K, 2 * K], step=k, runs=[])
+    K, depth = c['blocks'], 54
+    Fr, H, W = clip(c)
+    rec.update(clip=[Fr, H, W], text=(1000, 256) if cuda(c) else (8, 4), blocks=[K, 2 * K], step=10, runs=[])
     backend = c.get('backend') or 'native'  # train.py's default (the attention phase runs after this one)
     rec['attention_backend'] = backend
     rec['reward_resident_gib'] = reward_resident_gib(c)  # VideoAlign and the VAE's decoder, bf16, on the GPU
@@ -103,23 +128,11 @@ def update(c, rec, save):
             run = dict(autocast=amp, blocks=blocks)
             rec['runs'].append(run)
             try:
-                cfg = transformer_config(c, blocks)
-                net = transformer(c, cfg, backend)
-                net.enable_gradient_checkpointing()
-                shard(net, net.transformer_blocks, cuda=cuda(c))  # fp32 master, bf16 compute on a GPU
-                opts, anchor = build(net, 'muon', 1e-5, 0.01), Anchor(net, 'dual', every=10)
-                g = torch.Generator().manual_seed(0)
-                shape = latents(cfg, Fr, H, W)
-                x, x_next, mean_old = (torch.randn(1, *shape, generator=g).to(dev) for _ in range(3))
-                txt, txt_neg = text(cfg, 1, n, dev, g), text(cfg, 1, n, dev, g)
-                for rep in range(2 if cuda(c) else 1):  # on a GPU the first warms up (kernels, allocator)
-                    parts = micro_step(c, net, anchor, opts, x, x_next, mean_old, s, s_next, txt, txt_neg, amp)
-                run.update({p: dict(s=round(t, 4), peak_gib=m) for p, (t, m) in parts.items()})
-                # at rest between micro-steps: the weights, the optimizer's state, the anchor (no gradient)
-                run.update(state_gib=allocated_gib(c), params=sum(p.numel() for p in net.parameters()))
+                r = update_steps(c, blocks, backend, amp, reps=2 if cuda(c) else 1)
+                run.update({p: dict(s=round(t, 4), peak_gib=m) for p, (t, m) in r['parts'].items()})
+                run.update(state_gib=r['state_gib'], params=r['params'])
             except Exception as e:
                 run['error'] = f'{type(e).__name__}: {str(e).splitlines()[0][:200]}' if str(e) else type(e).__name__
-            net = opts = anchor = None
             if cuda(c):
                 torch.cuda.empty_cache()
             rec['at_54_blocks_8_ranks'] = extrapolate(c, rec, K, depth, Fr, H, W)  # once both depths ran
