@@ -114,14 +114,15 @@ def write_block(net, x0, text, cache, start, seed, context_noise=0.0):
     streaming.forward_block(net, x0, torch.zeros(1, device=x0.device), text, cache, start, write=True)
 
 
-def denoise_block(net, context, cache, start, seed, shape, record=None, context_noise=0.0):
+def denoise_block(net, context, cache, start, seed, shape, record=None, context_noise=0.0, past=None):
     """One block from its noise to its clean x0, written to the cache (write_block); record: a list that
     gets the block's per-step (x_t, x0) pairs, each (1, C, f, h, w), for the replay. context: the text, or
-    the prompt segments [(first frame, text), ...] (a new segment's text keys replace the cache's)."""
+    the prompt segments [(first frame, text), ...] (a new segment's text keys replace the cache's); past: the
+    clean blocks before `start` (a list, oldest first), whose last window a switch re-caches (None: not)."""
     sig, frames = streaming.sigmas(net.layout), list(range(start, start + net.layout['block']))
     text, switch = segments.text_at(context, start)
-    if switch:  # a prompt switch, as LongLive's interactive mode: the new prompt's text keys from here on
-        segments.recache_text(net, cache, text)
+    if switch:  # a prompt switch, as LongLive's interactive mode: the new prompt's text keys from here on, and
+        segments.switch(net, cache, text, start, None if past is None else torch.cat(past, 2))  # the window re-cached
     x = noise_at(seed, frames, 0, shape).to(text.device)
     for k, s in enumerate(sig):
         v = streaming.forward_block(net, x, torch.full((1,), s, device=x.device), text, cache, start).float()
@@ -137,33 +138,40 @@ def denoise_block(net, context, cache, start, seed, shape, record=None, context_
 
 @torch.no_grad()
 def rollout(net, context, frames, shape, routing, seed, m, P, keep, span_end=None, context_noise=0.0,
-            release_reads=False):
+            release_reads=False, recache=False):
     """One prompt's group: the prefix up to the fork once, its KV state saved, then K routed branches and
     the unrouted anchor from that state with the same noise. shape: a frame's latent (C, h, w); context:
     the text or the prompt segments (denoise_block). span_end: the frame the recorded trajectory stops at
-    (None: the P routed blocks; released: the end of the fork's chunk). release_reads: router's.
+    (None: the P routed blocks; released: the end of the fork's chunk). release_reads: router's. recache: a
+    prompt switch also re-caches the last window of frames under the new prompt (released; segments.switch).
     Returns latents (K + 1, C, F, h, w) (the anchor last), the trajectories {'x': (K, n, S, C, f, h, w),
-    'x0': same, n the recorded blocks, and the seed and context noise the replay writes its cache with},
+    'x0': same, n the recorded blocks, and the seed, context noise and latents before the fork (recache) the
+    replay writes and re-caches its cache with},
     and the state before the fork."""
     layout, fork = net.layout, routing['fork']
     span_end = fork + P * layout['block'] if span_end is None else span_end
     cache = streaming.KVCache(layout, keep=keep)
-    prefix = [denoise_block(net, context, cache, b, seed, shape, context_noise=context_noise)
-              for b in range(0, fork, layout['block'])]
+    prefix = []  # the clean blocks before the fork, shared by every branch
+    for b in range(0, fork, layout['block']):
+        prefix.append(denoise_block(net, context, cache, b, seed, shape, None, context_noise,
+                                    prefix if recache else None))
     state, clips, traj = cache.save(), [], []
     for older in routing['older'] + [None]:  # the anchor: the plain model
         cache.restore(state)
         cache.route = None if older is None else router(fork, older, layout, m, P, keep, release_reads)
-        rec = []
-        tail = [denoise_block(net, context, cache, b, seed, shape, rec if b < span_end else None, context_noise)
-                for b in range(fork, frames, layout['block'])]
+        rec, tail = [], []
+        for b in range(fork, frames, layout['block']):
+            tail.append(denoise_block(net, context, cache, b, seed, shape, rec if b < span_end else None,
+                                      context_noise, prefix + tail if recache else None))
         clips.append(torch.cat(prefix + tail, 2))
         if older is not None:
             traj.append(rec)
     S, n = len(layout['timesteps']), (span_end - fork) // layout['block']
     x, x0 = (torch.stack([torch.cat([r[i] for r in rec]) for rec in traj]).unflatten(1, (n, S))
              for i in (0, 1))  # (K, n, S, C, f, h, w)
-    return torch.cat(clips), dict(x=x, x0=x0, seed=seed, context_noise=context_noise), state
+    clips = torch.cat(clips)
+    past = clips[-1:, :, max(0, fork - (layout['window'] or fork)):fork] if recache else None  # what a re-cache reads
+    return clips, dict(x=x, x0=x0, seed=seed, context_noise=context_noise, past=past), state
 
 
 # ----------------------------------------------------------------------------- TVE, the branch's score
@@ -183,12 +191,13 @@ def _forward(net, x, s, context, cache, start, checkpoint):
 
 
 def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1.0, checkpoint=False, route=None,
-        context_noise=0.0, seed=0):
+        context_noise=0.0, seed=0, past=None):
     """s = sum_{b,k} -mean((x0[b,k] - x0_net(x[b,k], t_k))^2) / (2 max(sigma_k, floor)^2) of one branch's
     trajectory x, x0 (n, S, C, f, h, w), replayed by `net` from the state before the fork, routing off;
     between blocks the cache takes net's own last x0 (detached), written as the rollout wrote (write_block:
     context_noise, seed); a new prompt segment's text keys replace the cache's as in the rollout (context:
-    the text or the segments); steps >= grad_steps run without grad.
+    the text or the segments), and with past (the clean latents before the fork, (1, C, n, h, w)) the last
+    window is re-cached from them and the replay's own x0s, as the rollout's; steps >= grad_steps run without grad.
     form 'velocity': -mean((v_branch - v_net)^2) / 2, v_branch = (x - x0) / sigma. checkpoint: activations
     recomputed in backward (a grad forward of the 1.3B model holds ~10-20 GiB: results/kvpo_memory.md).
     route: the branch's router (kvpo.router), the replay seeing the context the branch was made under (not
@@ -197,12 +206,12 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
     cache = streaming.KVCache(layout, keep=keep)
     cache.restore(state)  # references: the replay's writes replace, never touch, the rollout's tensors
     cache.route = route
-    score = torch.zeros((), device=x.device)
+    score, done = torch.zeros((), device=x.device), None if past is None else [past]  # clean frames so far
     for b in range(x.shape[0]):
         start = fork + b * layout['block']
         text, switch = segments.text_at(context, start)
-        if switch:  # without grad, as the rollout's: the text keys carry no gradient
-            segments.recache_text(net, cache, text)
+        if switch:  # without grad, as the rollout's: the text keys (and a re-cache) carry no gradient
+            segments.switch(net, cache, text, start, None if done is None else torch.cat(done, 2))
         for k, s in enumerate(sig):
             with torch.set_grad_enabled(torch.is_grad_enabled() and k < grad_steps):
                 v = _forward(net, x[b, k][None], torch.full((1,), s, device=x.device), text, cache, start,
@@ -215,6 +224,7 @@ def tve(net, context, state, fork, x, x0, keep, grad_steps=2, form='x0', floor=1
         if b + 1 < x.shape[0]:
             with torch.no_grad():  # the block at timestep 0 joins the cache, as in the rollout
                 write_block(net, pred.detach(), text, cache, start, seed, context_noise)
+                done = None if done is None else done + [pred.detach()]
     return score
 
 
@@ -227,7 +237,7 @@ def scores(net, context, state, fork, traj, keep, grad_steps=2, form='x0', check
 
 def _written(traj):
     """How the rollout wrote its cache (write_block): the replay writes its own the same way."""
-    return dict(context_noise=traj.get('context_noise', 0.0), seed=traj.get('seed', 0))
+    return dict(context_noise=traj.get('context_noise', 0.0), seed=traj.get('seed', 0), past=traj.get('past'))
 
 
 def backward(net, context, state, fork, traj, keep, objective, grad_steps=2, form='x0', scale=1.0, checkpoint=False,

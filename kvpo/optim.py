@@ -50,7 +50,7 @@ def load_unmerged(path):
     index = wan_causal._index(path)
     config = WanTransformer3DModel.load_config(index['wan'], subfolder='transformer')
     net = wan_causal.build(config, index.get('layout', wan_causal.LAYOUT), backend=backend('native'))
-    sd = wan_causal.to_diffusers(wan_causal.read_state(index['generator'], index.get('generator_key')))
+    sd = wan_causal.to_diffusers(wan_causal.generator_state(index['generator'], index.get('generator_key'), net.layout))
     wan_causal.check(sd, net, index['generator'])
     net.load_state_dict({k: v.float() for k, v in sd.items()}, assign=True)
     return net.eval()

@@ -9,12 +9,19 @@ and the global reward scores one clip centred in each segment, with that segment
     r_global  = mean_j r(clip_j, prompt_j)   (per reward component)
 
 With no switch this is one segment, and the one global clip is the video's middle (the toy's setting).
+At a switch, as released (diversity_sampling.py's recache_after_switch), the last `window` (12) frames'
+self-attention keys and values are also recomputed under the new prompt from their clean latents
+(streaming.recache); without it (kvpo/train.py switch_recache=False) only the text keys change. A prompt file
+holds a video's prompts on one line, as KVPO's does: `n,[prompt 1],[prompt 2],[prompt 3],[prompt 4]` (stories).
 Where this differs from the released code: the clips are placed on latent frames (released: on decoded
-video frames, the same centres to within a latent frame); the self-attention keys of the last window of
-frames are not recomputed under the new prompt (LongLive's re-cache does that): only the text keys change.
+video frames, the same centres to within a latent frame).
 Tested by: python -m pytest tests/test_kvpo_release.py
 """
+import re
+
 import torch
+
+import streaming
 
 
 def bounds(frames, switches):
@@ -52,6 +59,32 @@ def text_at(context, start):
         return context, False
     first, text = [(a, t) for a, t in context if a <= start][-1]
     return text, first == start and first > 0
+
+
+def stories(lines, n):
+    """Each line's n prompts, as KVPO's release reads its prompt file: a line `[p1],[p2],...` (an index and a
+    comma may lead) is one video's prompt segments, truncated to n; a line with fewer is skipped; a line
+    without brackets is one prompt. One SystemExit if no line has n."""
+    out = []
+    for line in lines:
+        fields = [f.strip() for f in re.findall(r'\[([^\[\]]*)\]', line) if f.strip()] or [line.strip()]
+        if len(fields) >= n:
+            out.append(fields[:n])
+    if not out:
+        raise SystemExit(f'no prompt line holds {n} prompts (one video\'s segments a line: "0,[p1],[p2],...", as '
+                         f'KVPO\'s prompt file); prompt_story=False draws each segment\'s prompt from the lines')
+    return out
+
+
+@torch.no_grad()
+def switch(net, cache, text, start, past=None):
+    """A prompt switch at frame `start`: the cache's text keys replaced by `text`'s (recache_text); past, the
+    clean latents (1, C, m, h, w) of the frames up to start (None: the text keys alone): its last `window`
+    frames' self-attention keys and values recomputed under the new prompt (streaming.recache), as released."""
+    recache_text(net, cache, text)
+    n = 0 if past is None else min(cache.layout['window'] or start, start, past.shape[2])  # released: min(12, start)
+    if n:
+        streaming.recache(net, past[:, :, past.shape[2] - n:], text, cache, start - n)
 
 
 @torch.no_grad()

@@ -12,9 +12,10 @@ What the defaults make of the objective: the rollout is the old policy's, synced
 can move only at the second; pi_init (the KL's reference) is the frozen initial model, KL 0 until the
 weights move. Every rank holds the whole model and gradients are averaged (all-reduce), as released: each
 rank's fork differs, so its number of forwards does (FSDP's per-forward collectives would not match).
-A video switches prompt at `switch_frames` (kvpo/segments.py: the text keys replaced, the global reward one
-clip a segment); the update's learning rate follows diffusers' constant_with_warmup over steps of old_every
-rollouts (kvpo/optim.py, lr 0 in the first). Where this differs from the released code: VideoAlign's
+A video switches prompt at `switch_frames` (kvpo/segments.py: its prompts one line of the prompt file; at a
+switch the text keys replaced and the last window of frames re-cached under the new prompt; the global reward
+one clip a segment); the update's learning rate follows diffusers' constant_with_warmup over steps of
+old_every rollouts (kvpo/optim.py, lr 0 in the first). Where this differs from the released code: VideoAlign's
 VQ/MQ/TA are the reward components (the released default is HPSv3, not ported); routing reads the planned
 frames (`release_reads` reproduces the release's reads); docs/kvpo.md section 2 lists the rest. The
 held-out evaluation is train.py's (models/evaluate.py: the family's generate, block by block; the alarm)
@@ -52,6 +53,10 @@ cache_frames = 33               # frames the KV cache holds: the window and 21 m
 release_reads = False           # True: read each routed older frame f from the slot of f + block once the cache
                                 # has rolled, as the released code does (a bug: docs/kvpo.md section 2)
 switch_frames = (39, 75, 111)   # latent frames where the prompt switches: 4 segments, text keys replaced; (): one
+switch_recache = True           # at a switch also recompute the last window's (12) self-attention keys and values
+                                # under the new prompt, as released (diversity_sampling.py); False: text keys only
+prompt_story = True             # a train_prompts line holds a video's prompts, one a segment ('0,[p1],[p2],[p3],[p4]'),
+                                # as released; False: each segment's prompt drawn from the lines independently
 context_noise = 0.00498         # sigma of the cache's timestep-0 writes: the released add_noise(x0, eps, t=0) on its
                                 # 1000-step shift-5 grid (5 x 0.001 / 1.004); 0: x0 itself
 tve_span = 'chunk'              # TVE records and replays from the fork to the end of its chunk | 'routed': P blocks
@@ -91,7 +96,7 @@ train_dtype = 'bfloat16'        # the trained weights and AdamW's state: 'bfloat
 reward_model = 'videoalign'     # 'videoalign' | 'world': the model's own (the toy's)
 videoalign_dir = 'weights/VideoReward'
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
-train_prompts = 'prompts/train.txt'
+train_prompts = 'prompts/stories.txt'  # a video's 4 prompts a line (prompt_story), as KVPO's prompt file
 eval_prompts = 'prompts/eval.txt'
 eval_frames = 21                # latent frames of a held-out sample (one chunk)
 eval_every = 2                  # iterations between held-out evaluations (and at start and end; 0: never)
@@ -132,6 +137,8 @@ C, _, h, w = fam.latent_shape(model, fam.DEFAULTS['num_frames'], fam.DEFAULTS['h
 opt = torch.optim.AdamW([p for _, p in trained], lr=learning_rate, weight_decay=weight_decay)
 weights = dict(zip(reward.DIMS, reward_weights))
 train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompts)[0]
+if prompt_story:  # a file without a video's prompts on a line stops here, not at the first rollout
+    segments.stories(train_list, len(switch_frames) + 1)
 layout = policy.layout
 
 
@@ -159,9 +166,14 @@ if master:  # config.json's start; later rows go (a checkpoint precedes its iter
 
 # ----------------------------------------------------------------------------- the phases
 def my_prompts(it):
-    """(index, prompts) of this rank's videos at iteration it, one prompt a segment: a seeded draw over all ranks."""
+    """(index, prompts) of this rank's videos at iteration it, one prompt a segment: a seeded draw over all ranks
+    (prompt_story: of one line each, its prompts in order; else of one line a segment)."""
     n = len(switch_frames) + 1  # prompt segments a video
     g = torch.Generator().manual_seed(seed_of(seed, 'prompts', it))  # seed_of: 60 bits
+    if prompt_story:  # one segment: the same draw as below (a line is a one-prompt story)
+        stories = segments.stories(train_list, n)
+        pick = torch.randint(len(stories), (prompts_per_iter,), generator=g).tolist()
+        return [(j, stories[pick[j]]) for j in range(rank, prompts_per_iter, world)]
     pick = torch.randint(len(train_list), (prompts_per_iter * n,), generator=g).tolist()
     return [(j, [train_list[i] for i in pick[j * n:(j + 1) * n]]) for j in range(rank, prompts_per_iter, world)]
 
@@ -178,7 +190,7 @@ def rollout(it, j, prompts):
     with optim.precision(device, train_dtype):
         clips, traj, state = kvpo.rollout(old, ctx, frames, (C, h, w), plan, s, m_nearest, perturb_blocks,
                                           cache_frames, chunk_end if tve_span == 'chunk' else None, context_noise,
-                                          release_reads)
+                                          release_reads, switch_recache)
     return dict(ctx=ctx, plan=plan, clips=clips, traj=traj, state=state, prompts=prompts, j=j)
 
 

@@ -33,12 +33,13 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 # section 1). window None: global causal attention (every earlier frame); max_frames: the latent frames its cache
 # holds (None: any, the window rolls); warp: a step's sigma is t/1000 warped at the shift, the model called at
 # 1000 sigma (False: the model is called at t itself, sigma the shift grid's point nearest t, CausVid's lookup).
+# frames: the latent frames its released inference makes (LongLive's num_output_frames 120: 477 video frames).
 LAYOUTS = {
-    'longlive': dict(name='longlive', block=3, sink=3, window=12, max_frames=None,
+    'longlive': dict(name='longlive', block=3, sink=3, window=12, max_frames=None, frames=120,
                      timesteps=(1000, 750, 500, 250), shift=5.0, warp=True, renoise='fresh'),
-    'self_forcing': dict(name='self_forcing', block=3, sink=0, window=None, max_frames=21,
+    'self_forcing': dict(name='self_forcing', block=3, sink=0, window=None, max_frames=21, frames=21,
                          timesteps=(1000, 750, 500, 250), shift=5.0, warp=True, renoise='fresh'),
-    'causvid': dict(name='causvid', block=3, sink=0, window=None, max_frames=21,
+    'causvid': dict(name='causvid', block=3, sink=0, window=None, max_frames=21, frames=21,
                     timesteps=(1000, 757, 522), shift=8.0, warp=False, renoise='fresh'),
 }
 LAYOUT = LAYOUTS['longlive']  # the default: block, sink, window, timesteps, shift, renoise ('ode': an Euler step)
@@ -52,7 +53,7 @@ def _shift(layout, s):
 
 def sigmas(layout):
     """The sampler's sigmas: warped, t / 1000 at the shift ((1000, 750, 500, 250) at shift 5 -> 1, 0.9375,
-    0.8333, 0.625); not warped, the point of the shifted grid nearest t / 1000 (CausVid: 1, 0.7570, 0.5220)."""
+    0.8333, 0.625); not warped, the point of the shifted grid nearest t / 1000 (CausVid: 1, 0.7568, 0.5217)."""
     if layout.get('warp', True):
         return [_shift(layout, t / 1000) for t in layout['timesteps']]  # floats: no tensor op
     grid = [_shift(layout, 1 - i / GRID) for i in range(GRID)]
@@ -171,6 +172,7 @@ class Context:
     """What the processors read during one transformer call: the cache, the block's frames and the cached
     frames it sees, or (cache None) the mask of a whole masked sequence; the rope tables of its tokens."""
     cache, frames, visible, write, rope, mask = None, (), (), False, None, None
+    rewrite = ()  # frames of `frames` whose new keys and values replace the cached ones (recache)
 
 
 class StreamSelf:
@@ -196,6 +198,10 @@ class StreamSelf:
                 keys, values = torch.cat([ck.to(k.dtype), k], 1), torch.cat([cv.to(v.dtype), v], 1)
             if ctx.write:  # after the read: the block attends to its own keys once
                 ctx.cache.write(self.layer, ctx.frames, k, v)
+            if ctx.rewrite:  # a re-cache: these frames' keys and values replace the cached ones (this layer's)
+                i = [ctx.frames.index(f) for f in ctx.rewrite]
+                ctx.cache.replace_frames(ctx.rewrite, {self.layer: tuple(t.unflatten(1, (len(ctx.frames), -1))[:, i]
+                                                                         for t in (k, v))})  # (B, f, T, H, D)
         out = dispatch_attention_fn(q, keys, values, attn_mask=mask, backend=self._attention_backend)
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
@@ -250,6 +256,31 @@ def forward_block(net, x, s, context, cache, start, write=False):
         return _call(net, x, 1000 * s, context)
     finally:
         ctx.cache, ctx.rope = None, None
+
+
+@torch.no_grad()
+def recache(net, x, context, cache, first):
+    """LongLive's re-cache at a prompt switch (KVPO: diversity_sampling.py's recache_after_switch, global sink):
+    the clean latents x (B, C, n, h, w) of the cached frames [first, first + n) (the last `window` before the
+    switch) run once more at timestep 0 under the new prompt's `context`, all at once and unmasked among
+    themselves: every frame sees the sink's cached keys (not recomputed: the first prompt's) and the new keys
+    of the last window - sink of the n frames (the released window counts from the pass's end, so the first
+    frames see later ones and not themselves). The new keys and values of the frames the cache holds (the
+    sink's excepted) replace the old. The text keys are the cache's (recompute them first: kvpo/segments.py)."""
+    layout, ctx, (_, ph, pw) = cache.layout, net.stream_ctx, net.config.patch_size
+    n, T = x.shape[2], x.shape[3] // ph * (x.shape[4] // pw)
+    frames = list(range(first, first + n))
+    seen = first + n - ((layout['window'] or n) - layout['sink'])  # the frames' own keys from here on
+    ctx.cache, ctx.frames, ctx.write = cache, frames, False
+    ctx.visible = [f for f in cache.frames if f < layout['sink']]  # the sink as cached
+    ctx.rewrite = [f for f in frames if f >= layout['sink'] and f in cache.frames]
+    sees = torch.tensor([True] * len(ctx.visible) + [f >= seen for f in frames])  # (keys,): the same for every query
+    ctx.mask = sees.repeat_interleave(T)[None, None, None].expand(1, 1, n * T, -1).to(x.device)  # (1, 1, S, keys)
+    ctx.rope = rope_at(net.rope, frames, x.shape[3] // ph, x.shape[4] // pw)
+    try:
+        _call(net, x, torch.zeros(len(x), device=x.device), context)
+    finally:
+        ctx.cache, ctx.rope, ctx.mask, ctx.rewrite = None, None, None, ()
 
 
 def forward_masked(net, x, s, context, positions, mask):

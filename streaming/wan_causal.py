@@ -14,16 +14,20 @@ The command checks the checkpoint (every key converted, present and of the confi
 WEIGHTS/model_index.json ('WanCausalPipeline', the paths, the model's layout) and transformer/config.json;
 nothing is copied. The layout (streaming.LAYOUTS) is how the model's own inference code samples it, read back
 by load_transformer, so sample.py, the evaluation and kvpo sample it so: --layout=longlive (window 12, sink 3,
-4 steps warped at shift 5), self_forcing (global causal attention, no sink, the same 4 steps; 21 latent
-frames), causvid (global, steps 1000/757/522 unwarped on a shift-8 grid; 21 latent frames). Without
+4 steps warped at shift 5; 120 latent frames = 477 video frames unless --num_frames says otherwise, as its
+inference yaml), self_forcing (global causal attention, no sink, the same 4 steps; 21 latent frames), causvid
+(global, steps 1000/757/522 unwarped on a shift-8 grid; 21 latent frames). Without
 --layout the model is recognised from its files' names (exactly one of longlive, self_forcing / self-forcing,
 causvid, memflow in the generator's or the LoRA's path), else the flag is required: the weights of these
 models have the same keys. memflow is refused in one line: its memory bank is not built here.
-Self-Forcing's self_forcing_dmd.pt holds 'generator' and 'generator_ema' (--key picks); LongLive's 'generator'. Keys: the wrapper's 'model.' prefix (and FSDP's or compile's) is
-stripped, then diffusers' own single-file conversion (convert_wan_transformer_to_diffusers) renames them;
-a missing, unexpected or mismatched key is one SystemExit naming it, before any weight is used. A LoRA
-(LongLive's {'generator_lora': peft state dict}, on every Linear of the attention blocks) is merged into
-the weights: W + alpha / r B A (alpha = r unless the index says lora_alpha).
+The weights are those the model's release samples with (RELEASED_KEYS): Self-Forcing's self_forcing_dmd.pt
+holds 'generator' and 'generator_ema', and its inference loads 'generator_ema'; LongLive and CausVid load
+'generator' (--key picks another; the entry read is recorded in the index). Keys: the wrapper's 'model.'
+prefix (and FSDP's or compile's) is stripped, then diffusers' own single-file conversion
+(convert_wan_transformer_to_diffusers) renames them; a missing, unexpected or mismatched key is one
+SystemExit naming it, before any weight is used. A LoRA (LongLive's {'generator_lora': peft state dict}, on
+every Linear of the attention blocks) is merged into the weights: W + alpha / r B A (alpha = r unless the
+index says lora_alpha).
 
 Where it differs from the released code: RoPE positions are absolute frame indices for the whole video
 (the cache keeps rotated keys), as Self-Forcing's; the cache is written at timestep 0 (context noise 0, as
@@ -49,7 +53,8 @@ PIPELINE = 'WanCausalPipeline'
 TRANSFORMER = 'CausalWanTransformer3DModel'
 HUB_ID = 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'  # plus a causal generator checkpoint (module docstring)
 DEFAULTS = dict(sample_steps=len(streaming.LAYOUT['timesteps']), shift=streaming.LAYOUT['shift'], cfg=1.0, fps=16,
-                negative_prompt='', num_frames=81, height=480, width=832, sample_prompts=4, sample_seeds=1)
+                negative_prompt='', num_frames=None, height=480, width=832, sample_prompts=4, sample_seeds=1)
+# num_frames None: the length the model's release samples (its layout's 'frames': LongLive 120 latent frames)
 LORA_TARGETS = wan.LORA_TARGETS
 LAYOUT = streaming.LAYOUT  # the default of make() (the CLI asks for --layout unless the files name the model)
 LAYOUTS = streaming.LAYOUTS
@@ -59,6 +64,9 @@ MEMFLOW = ("MemFlow is not supported: its memory bank (bank 3 frames, recorded e
            "local]) is not built here, and sampled with another layout it would make other videos than its authors'")
 PREFIXES = ('model.', '_fsdp_wrapped_module.', '_orig_mod.', 'module.')  # wrappers' prefixes, stripped
 GENERATOR_KEYS = ('generator', 'generator_ema', 'model', 'state_dict')  # where a training checkpoint keeps it
+# the entry each model's released inference samples with, first if the checkpoint has it: Self-Forcing's
+# inference.py --use_ema (its README's command) and demo.py load 'generator_ema'; LongLive and CausVid 'generator'
+RELEASED_KEYS = dict(self_forcing=('generator_ema',) + GENERATOR_KEYS)
 
 
 class CausalWanTransformer3DModel(WanTransformer3DModel):
@@ -77,10 +85,10 @@ def _strip(key):
     return key
 
 
-def read_state(file, key=None, keys=GENERATOR_KEYS):
+def read_state(file, key=None, keys=GENERATOR_KEYS, entry=None):
     """The generator's state dict of a checkpoint file (.pt with weights_only, or .safetensors): entry
     `key`, else the first of `keys` it has, else the file itself; wrapper prefixes stripped; one
-    SystemExit if it cannot be read."""
+    SystemExit if it cannot be read. entry: a list that gets the entry read (None: the file itself)."""
     try:
         if file.endswith('.safetensors'):
             from safetensors.torch import load_file
@@ -94,11 +102,20 @@ def read_state(file, key=None, keys=GENERATOR_KEYS):
             sd = sd[k]
             break
     else:
+        k = None
         if key:
             raise SystemExit(f'{file}: no {key!r} in the checkpoint (it holds {", ".join(map(str, sd)) or "nothing"})')
     if not sd or not all(torch.is_tensor(v) for v in sd.values()):
         raise SystemExit(f'{file}: not a state dict of tensors (keys: {", ".join(list(map(str, sd))[:5])})')
+    if entry is not None:
+        entry.append(k)
     return {_strip(k): v for k, v in sd.items()}
+
+
+def generator_state(file, key, layout, entry=None):
+    """The weights model `layout` samples with as its release does: entry `key` if named, else the first of
+    the layout's RELEASED_KEYS the file has (Self-Forcing: 'generator_ema')."""
+    return read_state(file, key, RELEASED_KEYS.get(layout.get('name'), GENERATOR_KEYS), entry)
 
 
 def to_diffusers(sd):
@@ -172,7 +189,7 @@ def load_transformer(path, meta=False, attention=ATTENTIONS[0], backend='native'
     net = build(config, index.get('layout', LAYOUT), backend=dispatcher_backend(backend))
     if meta:
         return net
-    sd = to_diffusers(read_state(index['generator'], index.get('generator_key')))
+    sd = to_diffusers(generator_state(index['generator'], index.get('generator_key'), net.layout))
     if index['lora']:
         sd = merge_lora(sd, index['lora'], index.get('lora_alpha'))
     check(sd, net, index['generator'])
@@ -212,9 +229,18 @@ def load_decoder(path, device):
     return wan.load_decoder(_index(path)['wan'], device)
 
 
+def video_frames(layout):
+    """The video frames of the length the model's release samples: 4 (F - 1) + 1 for its F latent frames (an index
+    written without 'frames' takes the named model's)."""
+    frames = layout.get('frames') or LAYOUTS.get(layout.get('name'), LAYOUT)['frames']
+    return 4 * (frames - 1) + 1  # Wan 2.1's VAE: 4x temporal, the first frame alone
+
+
 def latent_shape(path, num_frames, height, width):
+    """(C, F, h, w) of num_frames video frames (None: the layout's released length, video_frames)."""
     index = _index(path)
-    shape, layout = wan.latent_shape(index['wan'], num_frames, height, width), index.get('layout', LAYOUT)
+    layout = index.get('layout', LAYOUT)
+    shape = wan.latent_shape(index['wan'], num_frames or video_frames(layout), height, width)
     if shape[1] % layout['block']:
         raise SystemExit(f'{num_frames} frames are {shape[1]} latent frames: not whole blocks of {layout["block"]}')
     if layout.get('max_frames') and shape[1] > layout['max_frames']:  # global attention over a fixed cache
@@ -251,14 +277,15 @@ def make(out, wan_dir, generator, lora=None, key=None, lora_alpha=None, layout='
     the layout of model `layout` (a LAYOUTS name; None: recognised from the files' names)."""
     layout = layout_of(layout, generator, lora)
     config = WanTransformer3DModel.load_config(wan_dir, subfolder='transformer')
-    sd = to_diffusers(read_state(generator, key))
+    entry = []  # the checkpoint's entry read: recorded, so that every reader samples the same weights
+    sd = to_diffusers(generator_state(generator, key, layout, entry))
     if lora:
         sd = merge_lora(sd, lora, lora_alpha)
     check(sd, build(config, layout), generator)
     os.makedirs(os.path.join(out, 'transformer'), exist_ok=True)
     rel = lambda p: p and os.path.relpath(os.path.abspath(p), os.path.abspath(out))
     with open(os.path.join(out, 'model_index.json'), 'w') as f:
-        json.dump(dict(_class_name=PIPELINE, wan=rel(wan_dir), generator=rel(generator), generator_key=key,
+        json.dump(dict(_class_name=PIPELINE, wan=rel(wan_dir), generator=rel(generator), generator_key=entry[0],
                        lora=rel(lora), lora_alpha=lora_alpha, layout=layout), f, indent=1)
     with open(os.path.join(out, 'transformer', 'config.json'), 'w') as f:  # sizes for policy.transformer_config
         json.dump({**config, '_class_name': TRANSFORMER}, f, indent=1)
@@ -272,12 +299,14 @@ def main(argv):
     ap.add_argument('--wan', required=True)
     ap.add_argument('--generator', required=True)
     ap.add_argument('--lora')
-    ap.add_argument('--key', help="the checkpoint's generator entry: generator (default) or generator_ema")
+    ap.add_argument('--key', help="the checkpoint's generator entry: generator or generator_ema (default: what the "
+                                  "model's release samples with, RELEASED_KEYS: Self-Forcing generator_ema)")
     ap.add_argument('--lora_alpha', type=float)
     ap.add_argument('--layout', help=f'the model: {"|".join(NAMES)} (default: the one its files\' names say)')
     a = ap.parse_args(argv)
     out = make(a.out, a.wan, a.generator, a.lora, a.key, a.lora_alpha, a.layout)
-    print('wrote', out, 'with the layout of', json.load(open(os.path.join(out, 'model_index.json')))['layout']['name'])
+    index = json.load(open(os.path.join(out, 'model_index.json')))
+    print('wrote', out, 'with the layout of', index['layout']['name'], 'sampling', index['generator_key'] or 'the file')
 
 
 if __name__ == '__main__':

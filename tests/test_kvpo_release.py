@@ -17,7 +17,11 @@ against a reference written here. python -m pytest tests/test_kvpo_release.py
 - LongLive's LoRA loaded into a rank-256 alpha-256 adapter on the 10 Linear layers of each block: exactly
   those trainable, the forward equal to peft's own LoRA loaded with peft's set_peft_model_state_dict and to
   the merged weights, and it keeps training; in bf16 AdamW's step of lr 1e-5 rounds away (8-bit mantissa);
-- the released choices together run the toy loop (lr 0 in the first step).
+- at a prompt switch the last window of frames' keys and values re-cached under the new prompt equal a brute-force
+  forward of diffusers' stock model (the sink's old keys spliced in, the released window counted from the pass's
+  end); a rollout re-caches at each switch as streaming.generate continued from caches re-cached by hand, and the
+  replay as the rollout; a prompt file's line is a video's prompts (`0,[p1],[p2],...`, as KVPO's);
+- the released choices together run the toy loop (lr 0 in the first step; a story a line, re-cached at its switch).
 """
 import os
 import runpy
@@ -75,6 +79,127 @@ def test_a_prompt_switch_replaces_the_text_keys():
         one, _, _ = kvpo.rollout(net, c0, 9, SHAPE, dict(fork=fork, older=[[1, 2]]), 1, 1, 2, 9)
         assert torch.equal(one[:, :, :switch], clips[:, :, :switch])
         assert not torch.allclose(one[:, :, switch:], clips[:, :, switch:], atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- the re-cache at a switch
+def rotate(x, cos, sin):
+    """RoPE as diffusers' WanAttnProcessor applies it (interleaved pairs), on x (B, S, H, D)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2)
+
+
+def brute_recache(ref, x0, text_old, text_new, switch, window=12, sink=3):
+    """The re-cached keys and values of the frames [switch - window, switch) as the release computes them
+    (recache_after_switch with a global sink), by diffusers' stock model: {layer: (k (B, n, T, H, D), v)}.
+    First the sink alone at timestep 0 under the old prompt (what its block wrote: it saw itself); then one
+    forward over frames [0, switch) at timestep 0 under the new prompt, each recached frame seeing the sink and
+    the last window - sink frames (the released window counts from the pass's end), the sink's keys and values
+    spliced in from the first forward at every layer (hooks on each self-attention's norm_k and to_v)."""
+    from test_wan_causal import Masked
+    B, C, F, h, w = x0.shape
+    T, lo = h // 2 * (w // 2), switch - window
+    captured, hooks = {}, []
+
+    def run(x, text, splice):
+        outs = {}
+        for i, b in enumerate(ref.blocks):
+            for name in ('norm_k', 'to_v'):
+                def hook(mod, args, out, i=i, name=name):
+                    if splice is not None:  # the sink's rows as the first forward computed them
+                        out = torch.cat([splice[i, name], out[:, sink * T:]], 1)
+                    outs[i, name] = out
+                    return out
+                hooks.append(getattr(b.attn1, name).register_forward_hook(hook))
+        with torch.no_grad():
+            ref(hidden_states=x, timestep=torch.zeros(B, x.shape[2] * T), encoder_hidden_states=text, return_dict=False)
+        for hk in hooks:
+            hk.remove()
+        hooks.clear()
+        return outs
+
+    for b in ref.blocks:
+        b.attn1.processor = Masked()
+    sees = torch.ones(sink, sink, dtype=torch.bool)
+    for b in ref.blocks:
+        b.attn1.processor.mask = sees.repeat_interleave(T, 0).repeat_interleave(T, 1)[None, None]
+    first = run(x0[:, :, :sink], text_old, None)  # the sink block at timestep 0, old prompt
+    i = torch.arange(switch)
+    rows = (i >= lo)[:, None]
+    sees = (rows & ((i[None] < sink) | (i[None] >= switch - (window - sink)))) | (~rows & (i[None] == i[:, None]))
+    for b in ref.blocks:
+        b.attn1.processor.mask = sees.repeat_interleave(T, 0).repeat_interleave(T, 1)[None, None]
+    x = torch.cat([x0[:, :, :sink], torch.zeros(B, C, lo - sink, h, w), x0[:, :, lo:switch]], 2)  # between: unseen
+    second = run(x, text_new, first)
+    cos, sin = ref.rope(x)
+    for layer in range(len(ref.blocks)):
+        k, v = (second[layer, n].unflatten(2, (ref.blocks[layer].attn1.heads, -1)) for n in ('norm_k', 'to_v'))
+        k = rotate(k, cos, sin)
+        captured[layer] = tuple(t[:, lo * T:].unflatten(1, (window, T)) for t in (k, v))
+    return captured
+
+
+def test_recache_equals_a_brute_force_forward_under_the_new_prompt():
+    from test_wan_causal import tiny_pair
+    L = streaming.LAYOUT  # LongLive's: blocks of 3, sink 3, window 12
+    net, ref = tiny_pair(L)
+    g = torch.Generator().manual_seed(3)
+    noise, old, new = torch.randn(1, 4, 24, 4, 4, generator=g), torch.randn(1, 5, 16, generator=g), \
+        torch.randn(1, 5, 16, generator=g)
+    cache = streaming.KVCache(L, keep=33)  # KVPO's cache: every frame of 24
+    gens = lambda: [torch.Generator().manual_seed(7)]  # the re-noising draws
+    x0 = streaming.generate(net, noise, old, gens(), cache=cache)
+    before = cache.read_frames(list(range(24)))
+    segments.switch(net, cache, new, 24, x0)
+    want, got = brute_recache(ref, x0, old, new, 24), cache.read_frames(list(range(12, 24)))
+    for layer, (k, v) in want.items():
+        scale = k.abs().max()
+        assert (got[layer][0] - k).abs().max() < 1e-5 * scale and (got[layer][1] - v).abs().max() < 1e-5 * v.abs().max()
+        # the first layer's keys come before any cross-attention: the prompt and the pass change the later ones
+        assert torch.allclose(got[layer][0], before[layer][0][:, 12:], atol=1e-6) == (layer == 0)
+        for f in range(12):  # the sink (global: the first prompt's) and the frames before the window: untouched
+            assert torch.equal(cache.read_frames([f])[layer][0], before[layer][0][:, f:f + 1])
+    # the text keys are the new prompt's either way; without the re-cache (switch_recache=False) only they change
+    again = streaming.KVCache(L, keep=33)
+    streaming.generate(net, noise, old, gens(), cache=again)
+    segments.switch(net, again, new, 24, None)  # the text keys only (switch_recache=False)
+    assert all(torch.equal(a, b) for l in cache.text for a, b in zip(cache.text[l], again.text[l]))
+    assert all(torch.equal(again.read_frames([f])[l][0], before[l][0][:, f:f + 1]) for l in before for f in range(24))
+
+
+def test_rollout_and_replay_recache_at_each_switch():
+    # the toy's layout (sink 1, window 4): a rollout with recache is streaming.generate continued from caches
+    # re-cached by segments.switch from its own frames; a branch routed as the window replays to a TVE of 0
+    L = toy_ar.LAYOUT
+    net, c0, c1, c2 = tiny(L, 1), text(1), text(2), text(3)
+    ctx, noise = [(0, c0), (5, c1), (7, c2)], kvpo.noise_at(1, range(9), 0, SHAPE)
+    routing = dict(fork=5, older=[[3, 4], [1, 2]])
+    clips, traj, state = kvpo.rollout(net, ctx, 9, SHAPE, routing, 1, 1, 1, 9, span_end=9, recache=True)
+    cache = streaming.KVCache(L, keep=9)
+    a = streaming.generate(net, noise[:, :, :5], c0, cache=cache)
+    segments.switch(net, cache, c1, 5, a)
+    b = streaming.generate(net, noise[:, :, 5:7], c1, cache=cache)
+    segments.switch(net, cache, c2, 7, torch.cat([a, b], 2))
+    c = streaming.generate(net, noise[:, :, 7:], c2, cache=cache)
+    assert torch.allclose(clips[-1:], torch.cat([a, b, c], 2), atol=1e-6)
+    plain, _, _ = kvpo.rollout(net, ctx, 9, SHAPE, routing, 1, 1, 1, 9, span_end=9)  # the text keys only
+    assert torch.equal(plain[:, :, :5], clips[:, :, :5])
+    assert not torch.allclose(plain[:, :, 5:], clips[:, :, 5:], atol=1e-4)
+    assert torch.equal(traj['past'], clips[-1:, :, 1:5])  # the last window before the fork
+    s = kvpo.scores(net, ctx, state, 5, traj, 9, grad_steps=0)  # the replay re-caches as the rollout did
+    assert torch.equal(clips[0], clips[2]) and abs(s[0].item()) < 1e-10 and s[1].item() < -1e-6
+    no = kvpo.tve(net, ctx, state, 5, traj['x'][0], traj['x0'][0], 9)  # replayed without the re-cache
+    assert no.item() < -1e-8
+
+
+def test_prompt_lines_are_stories():
+    lines = ['0,[a red ball rolls],[it stops],[it turns blue],[it rises]', '[one],[two]',
+             '7,[p1],[p2],[p3],[p4],[p5]', 'a plain prompt, with a comma']
+    assert segments.stories(lines, 4) == [['a red ball rolls', 'it stops', 'it turns blue', 'it rises'],
+                                          ['p1', 'p2', 'p3', 'p4']]  # fewer skipped, more truncated
+    assert segments.stories(lines, 1)[-1] == ['a plain prompt, with a comma']  # one segment: a line is a prompt
+    with pytest.raises(SystemExit, match='no prompt line holds 4 prompts'):
+        segments.stories(['x', '[a],[b]'], 4)
 
 
 # ----------------------------------------------------------------------------- TVE span, context noise
@@ -264,12 +389,15 @@ def test_bf16_training_rounds_away_small_steps(lora_model):
 @pytest.mark.slow  # the whole loop with every released choice on (~40 s): each choice has its own fast test above
 def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
     from test_train import metrics
-    out, held = str(tmp_path / 'run'), str(tmp_path / 'eval.txt')
+    out, held, story = str(tmp_path / 'run'), str(tmp_path / 'eval.txt'), str(tmp_path / 'story.txt')
     with open(os.path.join(toy_ar.DIR, 'eval_prompts.txt')) as f:  # one held-out prompt: an evaluation in seconds
         open(held, 'w').write(f.readline())
+    train = open(os.path.join(toy_ar.DIR, 'train_prompts.txt')).read().split('\n')[:6]
+    open(story, 'w').write(''.join(f'{i},[{a}],[{b}]\n' for i, (a, b) in enumerate(zip(train[::2], train[1::2]))))
     monkeypatch.setattr(sys, 'argv', [
         'kvpo.train', 'kvpo/config/toy.py', '--prompts_per_iter=2', '--group=3', '--max_iters=1', '--eval_every=1',
         '--save_every=0', f'--out_dir={out}', f'--eval_prompts={held}', '--tve_span=chunk', '--switch_frames=(6,)',
+        f'--train_prompts={story}',  # a story a line (two segments), re-cached at the switch: kvpo/train.py's defaults
         '--context_noise=0.005', '--lr_schedule=constant_with_warmup', '--train_dtype=bfloat16',
         '--release_reads=True'])
     g = runpy.run_module('kvpo.train', run_name='__main__')
@@ -277,6 +405,7 @@ def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
     (row,) = [r for r in rows if 'loss' in r]
     assert row['lr'] == 0 and row['grad_norm'] > 0 and row['loss'] == row['loss']
     assert [r['iter'] for r in rows if 'eval_composite' in r] == [0, 1]  # the bf16 weights evaluated
+    assert g['switch_recache'] and all(p in segments.stories(open(story).readlines(), 2) for _, p in g['my_prompts'](0))
     # the trained weights in bf16 (but diffusers' fp32 modules: the norms, the time embedding), their EMA in fp32
     keep = toy_ar.ToyARTransformer._keep_in_fp32_modules
     assert all((p.dtype == torch.float32) == any(k in n for k in keep) for n, p in g['trained'])

@@ -12,6 +12,9 @@ streaming/wan_causal.py --layout). python -m pytest tests/test_layouts.py
 - the converted directory records the layout (--layout, or recognised from the files' names) and the family
   samples with it; MemFlow is refused in one line and nothing is written; an unnamed file needs --layout;
 - Self-Forcing and CausVid refuse more latent frames than their released cache holds (21);
+- a Self-Forcing checkpoint holding 'generator' and 'generator_ema' (different) samples the EMA weights, as its
+  inference.py --use_ema and demo.py do (LongLive and CausVid: 'generator'; --key overrides); without
+  --num_frames LongLive makes its inference yaml's 120 latent frames, Self-Forcing and CausVid 21;
 - kvpo refuses a global layout with one line (its routing needs a window).
 """
 import json
@@ -146,6 +149,57 @@ def test_convert_records_layout_and_sampler_reads_it(tmp_path, capsys):
         wan_causal.latent_shape(out('cv'), 93, 16, 16)  # 24 latent frames
     with pytest.raises(SystemExit, match='holds 21 latent frames'):
         streaming.generate(wan_causal.load_transformer(out('sf')), torch.randn(1, 4, 24, 2, 2), text[0])
+
+
+def test_self_forcing_samples_its_ema_and_longlive_its_length(tmp_path, capsys):
+    # a training checkpoint holding both weights, different ({'generator', 'generator_ema', 'critic', 'step'},
+    # the EMA's keys under FSDP's prefix as Self-Forcing saves them): each model samples what its release loads
+    from tiny_wan_causal import original_name, random_generator
+    from diffusers import WanTransformer3DModel
+    root = str(tmp_path)
+    _, sd = make_tiny_causal(root)
+    wan = os.path.join(root, 'wan')
+    ema = random_generator(WanTransformer3DModel.load_config(wan, subfolder='transformer'), seed=1)
+    file = os.path.join(root, 'self_forcing_dmd.pt')
+    torch.save({'generator': {'model.' + original_name(k): v for k, v in sd.items()},
+                'generator_ema': {'model._fsdp_wrapped_module.' + original_name(k): v for k, v in ema.items()},
+                'critic': {'model.x': torch.zeros(1)}, 'step': torch.tensor(600)}, file)
+    out = lambda n: os.path.join(root, n)
+    wan_causal.main([out('sf'), f'--wan={wan}', f'--generator={file}'])  # Self-Forcing: recognised from the name
+    assert 'sampling generator_ema' in capsys.readouterr().out
+    wan_causal.main([out('sf_plain'), f'--wan={wan}', f'--generator={file}', '--key=generator'])
+    wan_causal.main([out('ll'), f'--wan={wan}', f'--generator={file}', '--layout=longlive'])
+    keys = {d: json.load(open(os.path.join(out(d), 'model_index.json')))['generator_key']
+            for d in ('sf', 'sf_plain', 'll')}
+    assert keys == dict(sf='generator_ema', sf_plain='generator', ll='generator')
+    index = os.path.join(out('sf'), 'model_index.json')  # an index that names no entry: the layout's choice
+    json.dump({**json.load(open(index)), 'generator_key': None}, open(index, 'w'))
+    net = wan_causal.load_transformer(out('sf'))
+    assert all(torch.equal(net.state_dict()[k], v.float()) for k, v in ema.items())
+    from kvpo import optim
+    unmerged = optim.load_unmerged(out('sf')).state_dict()  # kvpo's loading, the same weights
+    assert all(torch.equal(unmerged[k], v.float()) for k, v in ema.items())
+    # its videos are the EMA's: the same as a model holding the EMA weights, not the trained ones
+    text = wan_causal.text_encoder(out('sf'), 'cpu')(['a red circle moving left'])
+    noise = torch.randn(1, *wan_causal.latent_shape(out('sf'), 9, 16, 16), generator=torch.Generator().manual_seed(0))
+    g = lambda: [torch.Generator().manual_seed(3)]
+    ref_ema, ref_plain = (wan_causal.build(net.config, streaming.LAYOUTS['self_forcing']) for _ in range(2))
+    ref_ema.load_state_dict(ema, assign=True)
+    ref_plain.load_state_dict(sd, assign=True)
+    x, want, other = (wan_causal.generate(n, noise, text, g()) for n in (net, ref_ema, ref_plain))
+    assert torch.equal(x, want) and not torch.allclose(x, other, atol=1e-3)
+    assert torch.equal(wan_causal.generate(wan_causal.load_transformer(out('sf_plain')), noise, text, g()), other)
+    # the length each release's inference makes when none is asked (sample.py's num_frames None): LongLive's
+    # yaml num_output_frames 120 latent frames (477 video frames), Self-Forcing's and CausVid's 21 (81)
+    assert wan_causal.DEFAULTS['num_frames'] is None
+    assert [wan_causal.latent_shape(out(d), None, 16, 16)[1] for d in ('ll', 'sf')] == [120, 21]
+    assert streaming.LAYOUTS['causvid']['frames'] == 21
+    assert wan_causal.video_frames(streaming.LAYOUTS['longlive']) == 477
+    assert wan_causal.latent_shape(out('ll'), 81, 16, 16)[1] == 21  # asked for: as asked
+    index = os.path.join(out('ll'), 'model_index.json')  # an index written before the layouts had 'frames'
+    d = json.load(open(index))
+    json.dump({**d, 'layout': {k: v for k, v in d['layout'].items() if k != 'frames'}}, open(index, 'w'))
+    assert wan_causal.latent_shape(out('ll'), None, 16, 16)[1] == 120
 
 
 def test_kvpo_refuses_global_attention():
