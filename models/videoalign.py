@@ -10,6 +10,7 @@ model), so only TA depends on the text. Normalised with the released mean/std; O
     hf download Qwen/Qwen2-VL-2B-Instruct --local-dir ckpt/Qwen2-VL-2B-Instruct
     reward_fn = load_videoalign("ckpt/VideoReward", "ckpt/Qwen2-VL-2B-Instruct", device="cuda")
     scores = reward_fn(frames, prompts, fps=24)  # frames (B, F, 3, H, W) in [0, 1]; reward.combine weighs them
+    python -m models.videoalign --check ckpt/VideoReward --qwen_dir=ckpt/Qwen2-VL-2B-Instruct  # one clip scored
 
 Facts from github.com/KwaiVGI/VideoAlign 219ab9d (inference.py, train_reward.py, trainer.py, utils.py,
 vision_process.py, prompt_template.py, train.sh; transformers 4.45.2). Knowing differences, and why:
@@ -23,7 +24,8 @@ vision_process.py, prompt_template.py, train.sh; transformers 4.45.2). Knowing d
 - A failing video scores NaN and the others are still scored (the released code raised).
 - Only the released config is supported (fps sampling, 'detailed_special' template, 3 outputs).
 
-Tested by: python -m pytest tests/test_reward.py   (a tiny random model saved in the released layout)
+Tested by: python -m pytest tests/test_reward.py   (a tiny random model saved in the released layout;
+           --check: tests/test_preflight_room.py)
 """
 import glob
 import json
@@ -334,3 +336,34 @@ def load_reward(kind, videoalign_dir, qwen_dir, device, family=None):
                              "use reward_model='videoalign'")
         return FiniteFrames(family.reward), getattr(family, "manifold_distance", None)
     return FiniteFrames(load_videoalign(videoalign_dir, qwen_dir, device)), None
+
+
+def check(checkpoint_dir, qwen_dir, device, size=(81, 352, 624), fps=24):
+    """A downloaded VideoReward folder loaded (the released weight format through torch.load's weights_only,
+    the key conversion, the strict load) and one clip of `size` (random frames) scored, in one process:
+    a broken download or format is found here in a minute, not by a training run's 8 ranks.
+    Returns the scores {dim: float}; raises if one is not finite."""
+    import time
+    t = time.time()
+    reward_fn = load_videoalign(checkpoint_dir, qwen_dir, device)
+    loaded = time.time() - t
+    frames = torch.rand(1, size[0], 3, size[1], size[2], generator=torch.Generator().manual_seed(0))
+    scores = {k: v.item() for k, v in reward_fn(frames.to(device), ["a cat walks on the grass"], fps).items()}
+    print(f"{checkpoint_dir} (qwen {qwen_dir}) on {device}: loaded in {loaded:.1f} s, one {size[0]}x{size[1]}x"
+          f"{size[2]} clip scored in {time.time() - t - loaded:.1f} s: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    if not all(math.isfinite(v) for v in scores.values()):
+        raise SystemExit(f"{checkpoint_dir}: a score is not finite: {scores}")
+    return scores
+
+
+if __name__ == "__main__":
+    # python -m models.videoalign --check weights/VideoReward [--qwen_dir=DIR] [--device=cpu]
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m models.videoalign", description=check.__doc__.split("\n")[0])
+    ap.add_argument("--check", required=True, metavar="VIDEOREWARD_DIR", help="the downloaded VideoReward folder")
+    ap.add_argument("--qwen_dir", default="weights/Qwen2-VL-2B-Instruct", help="Qwen2-VL-2B-Instruct (train.py's)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", default="81x352x624", help="frames x height x width of the clip (train.py's)")
+    a = ap.parse_args()
+    check(a.check, a.qwen_dir, a.device, tuple(int(n) for n in a.size.split("x")))
