@@ -30,13 +30,13 @@ import sde
 
 
 def sensitivity(kind, s, s_next, eta):
-    """lambda_t = d mean / d v for one step s -> s_next (floats or tensors, like sde.variance)."""
-    dt = s_next - s  # < 0
-    var = sde.variance(kind, s, s_next, eta)  # Sigma, = std^2
-    if kind == 'cps':
-        root = (s_next**2 - var) ** 0.5  # sqrt(s'^2 - std^2), the weight of noise_hat in the mean
-        return -s * (1 - s_next) + (1 - s) * root
-    return dt - 0.5 * var * (1 - s) / s  # Euler's dt, less the Ito term's share through noise_hat
+    """lambda_t = d mean / d v for one step s -> s_next (floats or tensors, like sde.variance): the
+    mean is x + dt v - c noise_hat with noise_hat = x + (1 - s) v (sde.py), so lambda_t = dt - c (1 - s)
+    for every sampler, c its sde.correction."""
+    s64, s_next64 = sde._as_tensor(s).double(), sde._as_tensor(s_next).double()
+    var = sde.variance(kind, s64, s_next64, eta)  # Sigma, = std^2
+    lam = (s_next64 - s64) - sde.correction(kind, s64, s_next64, var) * (1 - s64)  # dt < 0
+    return lam.item() if not torch.is_tensor(s) and not torch.is_tensor(s_next) else lam
 
 
 def proxy(kind, sigmas, eta):

@@ -1,20 +1,20 @@
 """
 The samplers: one step of the rectified-flow reverse process, deterministic (ODE) or stochastic
-(DanceGRPO, FlowGRPO, SAGE-GRPO, CPS), with the log-probability of the transition for GRPO. The
-loop that takes these steps from noise to data is the policy's sampler (models/policy.py sample).
+(DanceGRPO, FlowGRPO, SAGE-GRPO, CPS), with the log-probability of the transition for GRPO, and the
+loop that takes these steps from noise to data (rollout: train.py's rollouts, the ODE evaluation).
 
     x_s = (1 - s) x0 + s noise,  v = noise - x0,  noise_hat = x + (1 - s) v,  score = -noise_hat / s
     dance/flow/sage:  mean = x + dt v + 0.5 Sigma score,      x_next = mean + sqrt(Sigma) z
     cps:              mean = (1-s') x0_hat + sqrt(s'^2 - std^2) noise_hat,   x_next = mean + std z
 Both are written below as  mean = x + dt v - c * noise_hat,  with c = 0.5 Sigma / s for the SDEs
 and c = s' - sqrt(s'^2 - std^2) for CPS (expand CPS's mean to see it), so c = 0 is the Euler step.
-A new sampler is a name in KINDS, its Sigma in variance(), its c in correction() and its
-d mean / d v in equalizer.sensitivity().
+A new sampler is its name in KINDS, its Sigma in variance() and its c in correction(), here
+(an unknown name raises in both; equalizer.py derives d mean / d v = dt - c (1 - s) from c).
 
 Sigma is the noise variance of one step (docs/method.md section 2):
     dance  eta^2 d            flow  eta^2 s/(1-s) d  (1-s at s=1 taken at s_1)
     sage   eta^2 int_{s'}^{s} u/(1-u) du, exact on every step but the first: that one starts at u = 1,
-           where the integral diverges, so its Sigma is set by the clamp of the upper end at 1-3e-3
+           where the integral diverges, so its Sigma is set by clamping both ends at 1-3e-3
            (std 0.56 on the reference schedule; 0.76 with 1e-3), and it is the step with the largest S_t
     cps    std^2 = (s' sin(eta pi/2))^2
 
@@ -76,13 +76,15 @@ def variance(kind, s, s_next, eta):
         one_minus = torch.where(s >= 1, 1 - s_next, 1 - s)
         var = eta**2 * s / one_minus * d
     elif kind == 'sage':
-        # the paper's formula, the clamp c on both ends: for s' <= c exactly the paper's; a step
-        # reaching above c loses the piece above it; one wholly above c would get -eta^2 d < 0,
-        # floored at 0 (an ODE step: docs/method.md 2.2)
+        # the paper's formula with both ends clamped at c inside the log (d stays the step's own): for
+        # s <= c exactly the paper's; a step reaching above c loses the piece above it; one wholly
+        # above c would get -eta^2 d < 0, floored at 0 (an ODE step: docs/method.md 2.2)
         hi, lo = s.clamp(max=SAGE_CLAMP), s_next.clamp(max=SAGE_CLAMP)
         var = (eta**2 * (-d + torch.log1p((hi - lo) / (1 - hi)))).clamp(min=0)  # log((1-lo)/(1-hi))
-    else:  # cps
+    elif kind == 'cps':
         var = (s_next * math.sin(eta * math.pi / 2)) ** 2
+    else:  # a name in KINDS without its variance here
+        raise ValueError(f'sampler kind {kind!r} has no variance in sde.variance')
     return var.item() if is_float else var.to(dtype)
 
 
@@ -108,7 +110,9 @@ def correction(kind, s, s_next, var):
     if kind == 'cps':  # = s' - sqrt(s'^2 - std^2) without cancellation; 0 (not 0/0) when std = 0
         root = torch.sqrt((s_next**2 - var).clamp(min=0))
         return torch.where(var > 0, var / (s_next + root).clamp(min=1e-300), 0.0)
-    return 0.5 * var / s
+    if kind in ('ode', 'dance', 'flow', 'sage'):  # the SDE's Ito term 0.5 Sigma score, score = -noise_hat / s
+        return 0.5 * var / s
+    raise ValueError(f'sampler kind {kind!r} has no correction in sde.correction')
 
 
 class Step(NamedTuple):
@@ -160,3 +164,34 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noi
         x_next = (mean.detach() + bcast(std) * z).to(x.dtype)
     # full Gaussian log-density per element, float32, averaged (or credit-weighted) over elements
     return Step(x_next, mean, std, log_prob(x_next, mean, std, weight))
+
+
+RECORDS = ('xs', 'means', 'logps', 'stds')  # what rollout() can keep of every step
+
+
+@torch.no_grad()
+def rollout(velocity, x, sigmas, kind, eta, gens, steps=None, keep=(), boundary=None):
+    """The sampling loop: x (B, C, F, h, w) from sigmas[0] down to sigmas[-1], one step() a sigma
+    interval, v = velocity(x, s) at the samples' sigmas s (B,); the step is of `kind` at the indices in
+    `steps` (every one if None), an ODE (Euler) step elsewhere. gens: one generator a sample, its own
+    noise stream, drawn at every step (ODE ones too) so a clip's rollout does not depend on how clips
+    are batched or which steps are stochastic. boundary(): before each forward (a preemption point).
+    Returns the final latents and {name: every step's} of the RECORDS in keep (None if none): xs
+    (B, N+1, ...) the latents, means (B, N, ...) float32, logps (B, N) (0 at an ODE step: it has no
+    log-probability and is never trained), stds (B, N)."""
+    if set(keep or ()) - set(RECORDS):
+        raise ValueError(f'keep={keep!r}: rollout() keeps only {RECORDS}')
+    B, N = x.shape[0], len(sigmas) - 1
+    kept = {k: [x] if k == 'xs' else [] for k in keep or ()}
+    for i in range(N):
+        if boundary is not None:
+            boundary()
+        v = velocity(x, sigmas[i].expand(B).to(x.device))  # (B, C, F, h, w)
+        z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)  # (B, ...)
+        st = step(x, v, sigmas[i].item(), sigmas[i + 1].item(), noise=z,
+                  kind=kind if steps is None or i in steps else 'ode', eta=eta)
+        x = st.x_next
+        now = dict(xs=x, means=st.mean, stds=st.std, logps=st.logp if st.logp is not None else x.new_zeros(B))
+        for k in kept:
+            kept[k].append(now[k])
+    return x, {k: torch.stack(v, 1) for k, v in kept.items()} if kept else None

@@ -1,16 +1,15 @@
 """
-SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an SDE whose noise
-is its rate integrated over each step, sde.py; a temporal gradient equalizer, equalizer.py) and a
-dual trust region (trust_region.py). What the defaults make of the objective: one optimizer step per
+SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an SDE whose noise is
+its rate integrated over each step, sde.py; a temporal gradient equalizer, equalizer.py) and a dual
+trust region (trust_region.py). What the defaults make of the objective: one optimizer step per
 rollout batch, so theta == theta_old all through the update, the ratio is 1, the PPO clip never acts
 and the exact velocity KL (the policy's transition means vs the rollout policy's) is 0: the objective
 is REINFORCE with each step's term weighted by the equalizer's S_t, plus lambda_KL times the position
 KL (the policy's transition means vs a moving anchor's), and lambda_KL follows the paper's printed
-rule, which *relaxes* the penalty when the KL is high (docs/method.md 4.6, 5.5). The rollout keeps
-each step's latent and log-prob, no means (a setting that reads them keeps them: rollout()).
-Settings: the released defaults but for the released code's switches (docs/method.md 6), one node's
-scale (config/released.py: the released run's); a config file or --key=value overrides them. One
-iteration is the loop at the bottom, its phases above it.
+rule, which *relaxes* the penalty when the KL is high (docs/method.md 4.6, 5.5).
+One iteration is the loop at the bottom, each phase a function above it. The released code's switches
+and the add-ons are off here and act at named seams (extras/variants.py, its own settings); the
+machinery (ranks, checkpoints, evaluation, logs) is in infra/, models/ and extras/, one call each.
 
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
@@ -18,7 +17,6 @@ iteration is the loop at the bottom, its phases above it.
 """
 import functools
 import json
-import math
 import os
 import time
 
@@ -29,17 +27,16 @@ import equalizer as eq
 import reward
 import sde
 import trust_region as tr
-from extras import credit as tvrl, diagnostics, metrics, preflight
+from extras import credit as tvrl, diagnostics, metrics, preflight, variants
 from infra import finite, parallel, prompt_cache, rundir, sp
 from infra.configurator import configure, rules
 from infra.optimizer import build as build_optimizers, clip_grad_norm, zero_grad
 from infra.preemption import Preemption
 from infra.versions import check as check_versions
-from models import attention as attention_lib, export, family
+from models import attention as attention_lib, export, family, videoalign
 from models.evaluate import Alarm, HeldOut
-from models.videoalign import load_reward
 from models.policy import PASS_KINDS, count_passes, encode_prompts, generators, guided_text, \
-    latent_shape, load_decoder, load_policy, noise, sample, seed_of, transformer_config, velocity
+    latent_shape, load_decoder, load_policy, noise, seed_of, transformer_config, velocity
 
 # ----------------------------------------------------------------------------- settings
 # the method (docs/method.md sections 2-5; the released defaults and their sources: section 7)
@@ -64,25 +61,11 @@ kl_min = 1e-7                   # lower clip of lambda_KL
 kl_max = 1e-5                   # upper clip of lambda_KL, and the end of its warm-up
 kl_warmup = 100                 # optimizer steps of linear warm-up kl_init -> kl_max (0: none)
 kl_target = 1e-5                # the controller's KL target
-kl_direction = 1                # +1: the printed rule (KL high: lambda relaxes); -1: tightens (to kl_max)
-kl_ratio_target = 0.0           # > 0: lambda_KL holds kl_ratio_est here instead (off: the rule above; 5.6)
+kl_direction = 1                # +1: printed (KL high: lambda falls); -1: reversed (5.5)
 optimizer = 'muon'              # 'muon' (2-D matrices, AdamW the rest: released) | 'adamw'
 learning_rate = 1e-5            # constant
 weight_decay = 0.01             # decoupled weight decay of both optimizers
 grad_clip = 1.0                 # global gradient-norm clip
-# the released code's switches (docs/method.md 6.2 argues each default)
-kl_update = 'step'              # lambda_KL moves each optimizer step | 'backward' (released)
-kl_estimator = 'exact'          # velocity KL: exact | 'sample': logp_old - logp (released, 5.4)
-prompt_noise = 'fresh'          # initial noise: 'fresh' each iteration | 'fixed' (released)
-median = 'mean_of_middle'       # S_t's median of an even count: numpy's | 'lower' (released)
-# add-ons, off by default (docs/method.md 4.3, 6.3, 9)
-advantage = 'grpo'              # 'grpo' (the paper) | 'per_component' | 'taros' (reward.py)
-sde_window = 0                  # > 0: a random window of this many steps is stochastic, trained
-credit = 'none'                 # 'none': a video's tokens share its advantage | 'tvrl' (extras/)
-credit_granularity = 'window'   # tvrl: 'window' (a weight a latent token) | 'frame'
-credit_window = (1, 3, 3)       # tvrl: (t, h, w) latent tokens of the smoothing box (odd)
-diag_every = 0                  # iterations between gradient-norm diagnostics (0: never)
-hack_stop = False               # at the reward-hacking alarm: checkpoint and stop
 # model, data and reward
 model = 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'  # a diffusers directory
 train_prompts = 'prompts/train.txt'  # a prompt a line, or a CSV with prompt (and seed) columns
@@ -92,13 +75,26 @@ num_frames = 81                 # frames per video
 height = 352                    # rollout resolution (the paper trains at 352x624)
 width = 624
 fps = 24                        # frame rate of the decoded videos (the reward samples at 2 fps)
-reward_model = 'videoalign'     # 'videoalign' (frozen) | 'world': the model's own (the toy's)
+reward_model = 'videoalign'     # models/videoalign.py REWARDS: 'videoalign' (frozen) | 'world' (the toy's)
 videoalign_dir = 'weights/VideoReward'     # hf download KwaiVGI/VideoReward --local-dir ...
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'  # hf download Qwen/Qwen2-VL-2B-Instruct ...
+lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
+experts = 'both'                # Wan 2.2 A14B's experts that train: 'both' | 'high' | 'low'
+gradient_checkpointing = True   # recompute block activations in backward
+attention = 'valid_tokens'      # the blocks' attention: padding left out (models/attention.py)
+attention_backend = 'native'    # diffusers' attention backend: 'native', '_native_flash', ...
+# evaluation, the reward-hacking alarm, the diagnostics (models/evaluate.py, extras/)
+eval_every = 25                 # iterations between held-out evaluations (and at start and end)
+eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
+eval_samples = 1                # ODE samples (seeds) per held-out prompt
+eval_videos = 4                 # mp4 files written per evaluation
 eval_metrics = 'clipscore,pickscore'  # watchers at held-out evaluation (extras/metrics.py)
 clip_dir = 'weights/clip-vit-large-patch14'  # hf download openai/clip-vit-large-patch14 ...
 pickscore_dir = 'weights/PickScore_v1'       # hf download yuvalkirstain/PickScore_v1 ...
 alarm_z = 2.0                   # reward-hacking alarm: standard errors a watcher must move
+hack_stop = False               # at the reward-hacking alarm: checkpoint and stop
+diag_every = 0                  # iterations between one clip's 4-pass gradient norms (0: never)
+ratio_every = 0                 # iterations between the batch's KL/policy gradient ratio (0: never)
 # scale and plumbing
 out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, prompt cache
 init_from = 'auto'              # 'auto': continue out_dir's run, else new | 'scratch' | 'resume'
@@ -106,28 +102,21 @@ max_iters = 300                 # rollout batches
 prompts_per_iter = 8            # prompts per rollout batch, over all ranks
 rollout_batch = 4               # videos per forward in rollouts and evaluation (per rank)
 train_batch = 1                 # videos per forward+backward in the update (per rank)
-eval_every = 25                 # iterations between held-out evaluations (and at start and end)
-eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
-eval_samples = 1                # ODE samples (seeds) per held-out prompt
-eval_videos = 4                 # mp4 files written per evaluation
 save_every = 50                 # iterations between checkpoints (and after the first, at the end, on SIGTERM)
 save_every_min = 30.0           # minutes of wall clock between checkpoints too (0: by count only)
 keep_checkpoints = 2            # newest checkpoints kept in out_dir
 export_dtype = 'bfloat16'       # the last checkpoint exported to out_dir/export; '' for none
 nonfinite_stop = 3              # optimizer steps skipped in a row (NaN gradient) that stop a run
 wandb_project = ''              # also log to this wandb project ('': none; wandb installed)
-lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
-experts = 'both'                # Wan 2.2 A14B's experts that train: 'both' | 'high' | 'low'
-gradient_checkpointing = True   # recompute block activations in backward
-attention = 'valid_tokens'      # the blocks' attention: padding left out (models/attention.py)
-attention_backend = 'native'    # diffusers' attention backend: 'native', '_native_flash', ...
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks of a node sharing one video's tokens (infra/sp.py)
 shard_size = 0                  # ranks a weight is sharded over (HSDP; 0: a node's ranks)
 dist_timeout = 10.0             # minutes a collective waits: a dead or hung rank ends the job
 solo_timeout = 60.0             # minutes the ranks wait for rank 0 alone (load, cache, export)
 seed = 0
-config = configure(globals(), rules=rules(sde, eq, tr, reward, tvrl, metrics, attention_lib))
+config = configure(globals(), sections=(variants,),
+                   rules=rules(sde, eq, tr, tvrl, metrics, attention_lib, videoalign, variants))
+variants.check()
 # -----------------------------------------------------------------------------
 
 # distributed setup: torchrun's environment, or one plain process (infra/parallel.py)
@@ -137,8 +126,7 @@ quiet = print if master else lambda m: None
 quiet(json.dumps(config, indent=1))
 quiet(parallel.allocator_line(device))  # the allocator settings torch reports
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
-# sp inside a node, the shards and the videos divide the ranks (else one line, and nothing starts);
-# this rank's videos (global indices video_ids), the same over an sp group (consecutive ranks)
+# this rank's videos (global indices video_ids, the same over an sp group), its data-parallel place
 shard_size, dp_rank, dp_world, dp_group, video_ids = parallel.layout(
     rank, world, shard_size, sp_size, sp_mesh, prompts_per_iter * group_size, log=quiet)
 n_local = len(video_ids)
@@ -150,14 +138,17 @@ check_versions(quiet)  # one line if diffusers or transformers is outside the te
 ckpts, history = rundir.claim(config, master, log=quiet)  # out_dir locked; the run it holds
 preflight.check(config)  # every path the run reads (weights, rewards, watchers): all named at once
 
-# models: the prompt embeddings first (rank 0 encodes them into out_dir's cache, every rank maps it)
+# the models: the reward first (a broken one costs seconds, not the policy's load), the prompt
+# embeddings (rank 0 encodes them into out_dir's cache), the policy, its optimizer and trust region
+fam = family(model)  # the model family's file: the interface in models/__init__.py
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): no weights read
 if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
     sp.check(sp_size, transformer_config(model), shape)
+reward_fn, manifold_distance = videoalign.load_reward(reward_model, videoalign_dir, qwen_dir, device, family=fam)
+visual = metrics.load_watchers(eval_metrics, clip_dir, pickscore_dir)  # reward hacking's watchers
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
                                  set(train_list) | set(eval_list) | {negative_prompt},
                                  encode_prompts, device, master, solo_timeout)
-fam = family(model)  # the model family's file: the interface in models/__init__.py
 policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, solo_timeout=solo_timeout,
                      checkpointing=gradient_checkpointing, attention=attention,
                      backend=attention_backend, experts=experts,
@@ -166,20 +157,14 @@ if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards ov
     sp.enable(policy, sp_mesh, fam.cp_plan(policy))
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
 anchor = tr.Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
-controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target,
-                             warmup=kl_warmup, direction=kl_direction, ratio_target=kl_ratio_target)
+controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target, warmup=kl_warmup,
+                             direction=kl_direction, ratio_target=variants.kl_ratio_target)
 kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  # 0: a term off
-if kl_ratio_target > 0 and kl_update != 'step':
-    raise SystemExit("config error: kl_ratio_target holds lambda_KL per optimizer step: kl_update='step'")
 decode = load_decoder(model, device)
-reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_dir, device,
-                                           family=fam)  # 'world': the family's own (the toy's)
-score_fn = reward_fn if credit == 'none' else tvrl.scorer(  # tvrl: scores and credit maps
-    reward_fn, reward_weights, shape, credit_window, credit_granularity)
-visual = metrics.load_watchers(eval_metrics, clip_dir, pickscore_dir)  # reward hacking's watchers
+score_fn = variants.scorer(reward_fn, reward_weights, shape)  # reward_fn (tvrl: and its credit)
 sigmas = sde.sigmas(num_steps, shift).to(device)  # (N + 1,) from 1.0 to 0.0
 stochastic_steps = sde.stochastic_steps(sampler, sigmas, eta)  # only they have noise and train
-n_train = max(1, round(timestep_fraction * min(sde_window or num_steps, len(stochastic_steps))))
+n_train = max(1, round(timestep_fraction * len(variants.window(stochastic_steps, 0))))
 on_policy = updates_per_iter == 1  # every micro-batch's forward is at theta_old (step_loss)
 nonfinite = diagnostics.NonFinite(nonfinite_stop, out_dir)  # skips a NaN step; a few in a row stop
 
@@ -188,9 +173,7 @@ alarm = Alarm(alarm_z)  # compares each evaluation with the base model's (iterat
 run = rundir.Run(out_dir, keep_checkpoints, policy, optimizers, anchor, PASS_KINDS,
                  dict(world=world, config=config), controller=controller, alarm=alarm)
 run.resume(ckpts, log=quiet)  # run.iter_num, .opt_steps, .passes (all ranks'), .eval_owed
-
-# the transformer's text inputs of prompts and of as many negative prompts: (text, text_neg)
-text_for = functools.partial(guided_text, text_cache, negative=negative_prompt, device=device)
+text_for = functools.partial(guided_text, text_cache, negative=negative_prompt, device=device)  # (text, text_neg)
 evaluate = HeldOut(eval_list, eval_samples, seed=seed, cfg=cfg, shape=shape, text_for=text_for,
                    sigmas=sde.sigmas(eval_steps or num_steps, shift).to(device), fps=fps,
                    batch=rollout_batch, decode=decode, reward_fn=reward_fn, passes=run.passes,
@@ -201,46 +184,39 @@ evaluate = HeldOut(eval_list, eval_samples, seed=seed, cfg=cfg, shape=shape, tex
 
 # ----------------------------------------------------------------------------- the phases
 def trained_steps(it):
-    """This iteration's stochastic, trained steps (all; or an SDE window), and S_t of each (N,)."""
-    steps = sde.window(stochastic_steps, sde_window, seed_of(seed, 'window', it))
-    s_t = eq.scales(sampler, sigmas, eta, median, steps) if equalizer else torch.ones(num_steps)
+    """This iteration's stochastic steps (every one: they all train), and S_t of each step (N,)."""
+    steps = variants.window(stochastic_steps, seed_of(seed, 'window', it))  # sde_window: a window of them
+    s_t = eq.scales(sampler, sigmas, eta, variants.median, steps) if equalizer else torch.ones(num_steps)
     return steps, s_t.to(device)
 
 def rollout(it, steps):
-    """G videos of each of the iteration's prompts from the current policy, the SDE at `steps`, and
-    of every step what the update and the log read: the latents 'xs' (n, N+1, C, F, h, w) (the
-    update's x_t and x_{t+1}) and the log-probs 'logps' (n, N) (at the defaults only the log's drift
-    figure: docs/method.md 4.6); the means 'means' (n, N, C, F, h, w) only where updates_per_iter > 1
-    (update recomputes them there) or credit='tvrl', which also needs 'stds' (n, N). And the videos'
-    prompts. Every draw has its own seed."""
-    keep = ('xs', 'logps') + ('means',) * (not on_policy or credit == 'tvrl')  # models/policy.py RECORDS
-    keep += ('stds',) * (credit == 'tvrl')  # tvrl.reweight: the log-probs from the means and stds
+    """G videos of each of the iteration's prompts, x_1 ~ N(0, I) down to x_0 by the SDE at `steps`:
+    of every step the latent 'xs' (n, N+1, C, F, h, w) and the log-prob 'logps' (n, N) (the log's drift
+    figure only, at the defaults: docs/method.md 4.6). Every draw has its own seed."""
     chosen = prompt_cache.choose(len(train_list), prompts_per_iter, seed_of(seed, 'prompts', it))
     prompts, records = [train_list[chosen[i // group_size]] for i in video_ids], []
+    keep = ('xs', 'logps') + variants.rollout_keeps(on_policy)
     for c in tqdm(range(0, n_local, rollout_batch), 'rollout', disable=not master, leave=False):
         ids, ps = video_ids[c:c + rollout_batch], prompts[c:c + rollout_batch]
-        gens = generators([seed_of(seed, 'rollout', it, i) for i in ids])  # the SDE's noise
-        x1 = noise(shape, gens if prompt_noise == 'fresh' else generators(  # 'fixed' (released):
-            [prompt_seeds[p] + i % group_size if p in prompt_seeds  # member i % G's, every time
-             else seed_of(seed, 'noise', p, i % group_size) for p, i in zip(ps, ids)]), device)
+        gens = generators([seed_of(seed, 'rollout', it, i) for i in ids])  # each video's own noise
+        x1 = noise(shape, variants.initial_noise(gens, ps, ids, prompt_seeds, seed, group_size), device)
         text, text_neg = text_for(ps)
-        _, trajectory = sample(policy, x1, sigmas, text, cfg, text_neg, sampler, eta, gens,
-                               keep=keep, window=steps, boundary=preemption.point)
+        def v(x, s):  # the guided velocity: classifier-free guidance's two branches in one forward
+            return velocity(policy, x, s, text, cfg, text_neg)
+        _, trajectory = sde.rollout(v, x1, sigmas, sampler, eta, gens, steps, keep, preemption.point)
         records.append(trajectory)
     count_passes(run.passes, ('rollout',), device)
     return dict({k: torch.cat([r[k] for r in records]) for k in records[0]}, prompts=prompts)
 
 def score(videos, steps):
-    """Decode and score the videos in memory, each once (an sp group divides them): {'VQ', 'MQ',
-    'TA', ...: (n,)}; tvrl: each video's credit, and its old log-probs weighted by it. A video whose
-    rollout went NaN or inf scores NaN and leaves the update (videos['finite'], infra/finite.py)."""
+    """Decode and score the videos, each once (an sp group divides them): {'VQ', 'MQ', 'TA', ...: (n,)}.
+    A video whose rollout went NaN or inf scores NaN and leaves the update (infra/finite.py)."""
     def scored(idx):  # frames (n, F, 3, H, W) in [0, 1]
         frames = torch.cat([decode(x) for x in videos['xs'][idx, -1].split(rollout_batch)])
         return score_fn(frames, [videos['prompts'][i] for i in idx], fps)
     scores = sp.divide_work(scored, n_local, sp_mesh)
     videos['finite'] = finite.mark(videos, scores)  # [bool] (n,); the others' latents set to 0
-    if credit == 'tvrl':  # credit (n, 1, F, h, w), its peak (n,), the old log-probs weighted by it
-        videos['credit'], scores['credit_peak'] = tvrl.reweight(videos, scores.pop('credit'), steps)
+    variants.credit_maps(videos, scores, steps)  # tvrl: each video's credit map; off
     return scores
 
 def advantages(scores):
@@ -250,24 +226,23 @@ def advantages(scores):
     c = parallel.gather(c, dp_group).view(prompts_per_iter, group_size, -1)  # (P, G, 3) all ranks'
     r = reward.combine(dict(zip(reward.DIMS, c.unbind(-1))), reward_weights)  # (P, G)
     adv, valid, std = reward.group_advantages(r, adv_clip)
-    if advantage != 'grpo':  # each component judged within its group, then weighed
-        adv, valid = reward.component_advantages(c, reward_weights, advantage, adv_clip)
+    adv, valid = variants.advantages(adv, valid, c, reward_weights, adv_clip)  # per component: off
     reward.check_valid(valid, run.iter_num + 1, out_dir, quiet)  # all NaN: stop; some: say so
     batch = dict(r=r, c=c, std=std, valid=valid)  # (P, G), (P, G, 3), (P, 1), (P, G)
     return adv.flatten()[video_ids], valid.flatten()[video_ids].float(), batch
 
 def policy_step(videos, b, t):
     """The policy's SDE step from the rollout's x_t of local videos b (a list) at steps t (n,): its
-    mean, std and the log-prob of the rollout's x_{t+1} (tvrl: credit-weighted), one forward."""
-    x, x_next = videos['xs'][b, t], videos['xs'][b, t + 1]          # (n, C, F, h, w)
+    mean, std and the log-prob of the rollout's x_{t+1}, one forward."""
+    x_t, x_next = videos['xs'][b, t], videos['xs'][b, t + 1]          # (n, C, F, h, w)
     text, text_neg = text_for([videos['prompts'][i] for i in b])
-    v = velocity(policy, x, sigmas[t], text, cfg, text_neg)  # guided: CFG's two branches
-    return sde.step(x, v, sigmas[t], sigmas[t + 1], sampler, eta, x_next=x_next,
-                    weight=videos['credit'][b] if credit == 'tvrl' else None)
+    v = velocity(policy, x_t, sigmas[t], text, cfg, text_neg)  # guided: CFG's two branches
+    return sde.step(x_t, v, sigmas[t], sigmas[t + 1], sampler, eta, x_next=x_next,
+                    weight=variants.credit_of(videos, b))  # tvrl's per-token weights; off: the mean
 
 def step_loss(videos, b, t, s_t, lam, denom):
-    """The objective of local videos b (a list) at their trained steps t (n,), docs/method.md
-    sections 4 and 5: the loss to backward, and its per-video terms (n,) for the log."""
+    """The objective of local videos b (a list) at their trained steps t (n,), docs/method.md sections
+    4 and 5: the loss to backward, and its per-video terms (n,)."""
     kl_pos = kl_vel = torch.zeros(len(b), device=device)
     if kl_pos_weight:  # the anchor's forward first and without grad: its in-place weight swap must
         with torch.no_grad(), anchor.applied(policy):  # not fall between a forward and its backward
@@ -286,30 +261,23 @@ def step_loss(videos, b, t, s_t, lam, denom):
     policy_term = s_t[t] * torch.maximum(-adv * ratio, -adv * clipped)          # (n,)
     if kl_pos_weight:
         kl_pos = tr.gaussian_kl(new.mean, mean_anchor, new.std)          # position: to the anchor
-    if kl_vel_weight:  # velocity: to the rollout policy, exact, or the released one-sample estimate
-        kl_vel = tr.gaussian_kl(new.mean, mean_old, new.std) if kl_estimator == 'exact' \
-            else logp_old - new.logp  # (n,) 0 in expectation at theta_old, its gradient not
+    if kl_vel_weight:  # velocity: to the rollout policy (kl_estimator='sample': the released estimate)
+        kl_vel = tr.velocity_kl(new, mean_old, logp_old, variants.kl_estimator)
     kl = kl_pos_weight * kl_pos + kl_vel_weight * kl_vel                      # (n,) the strategy's
-    per_video = policy_term + lam * kl                                           # (n,)
-    drift = (new.logp.detach() - videos['logps'][b, t]).abs() if on_policy else None  # vs rollout
-    # what each term asks of the transition mean, per video (n,): the logged KL/policy ratio (5.6)
-    g_policy, g_kl = (tr.output_grad_sq(x, new.mean) if kl_pos_weight or kl_vel_weight  # no KL: no ratio
-                      else torch.zeros(len(b), device=device) for x in (policy_term, kl))
-    terms = dict(policy=policy_term, kl=kl, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv,
-                 valid=videos['valid'][b], drift=drift, g_policy=g_policy, g_kl=g_kl)
-    # a NaN-reward video drops out whole; where(), not a product: 0 * NaN would leak in
-    return torch.where(videos['valid'][b] > 0, per_video, 0.0).sum() / denom, terms
+    valid = videos['valid'][b]  # a NaN-reward video drops out whole: where(), as 0 * NaN would leak in
+    loss = torch.where(valid > 0, policy_term + lam * kl, 0.0).sum() / denom
+    return loss, dict(policy=policy_term, kl=kl, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv,
+                      valid=valid, logp=new.logp)
 
-def recompute_old(videos, order, micro, stats):
+def recompute_old(videos, order, micro_batches, stats):
     """updates_per_iter > 1 only: the old log-probs and means at theta_old, recomputed in the update's
     batch shape, so the ratio measures the policy's move, not another shape's rounding (4.6)."""
     with torch.no_grad():
-        for b, stand_in, k in preemption.points(micro(list(range(n_local)))):
+        for b, k in micro_batches(list(range(n_local))):
             old, t = policy_step(videos, b, order[b, k]), order[b, k]
-            if stand_in:  # no finite video in b: the forward only joins FSDP's collectives
-                continue
-            stats.drifted((old.logp - videos['logps'][b, t]).abs())
-            videos['logps'][b, t], videos['means'][b, t] = old.logp, old.mean
+            if any(videos['finite'][i] for i in b):  # else a stand-in: it only joins FSDP's passes
+                stats.drifted((old.logp - videos['logps'][b, t]).abs())
+                videos['logps'][b, t], videos['means'][b, t] = old.logp, old.mean
     count_passes(run.passes, ('old',), device)
 
 def update(videos, batch, steps, s_t):
@@ -318,31 +286,31 @@ def update(videos, batch, steps, s_t):
     order = torch.stack([torch.tensor(steps)[torch.randperm(len(steps), generator=torch.Generator()
                          .manual_seed(seed_of(seed, 'order', run.iter_num, i)))[:n_train]]
                          for i in video_ids])  # (n, n_train) the trained steps of each video
-    stats = diagnostics.UpdateStats(max(1, sum(videos['finite'])) * n_train, clip_range)  # for the log
-    def micro(ids):  # forward+backward passes: (train_batch of the videos, stand-in, one of their steps)
-        return [(*finite.part(ids[i:i + train_batch], videos['finite']), k)  # NaN/inf rollouts left out
-                for i in range(0, len(ids), train_batch) for k in range(n_train)]
+    stats = diagnostics.UpdateStats(max(1, sum(videos['finite'])) * n_train, clip_range, on_policy)
+    split = diagnostics.GradientSplit(optimizers, ratio_every and run.iter_num % ratio_every == 0
+                                      or variants.kl_ratio_target > 0)  # the KL/policy ratio: off
+    def micro_batches(ids):  # (train_batch videos, one of their steps): every rank runs the same passes
+        return preemption.points(tqdm(finite.micro_batches(ids, videos['finite'], train_batch, n_train),
+                                      'update', disable=not master, leave=False))
     if not on_policy:  # updates_per_iter > 1 only
-        recompute_old(videos, order, micro, stats)
+        recompute_old(videos, order, micro_batches, stats)
     for chunk in [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]:
-        # the divisor that makes the sum of every micro-batch's, step's and rank's loss (FSDP
-        # averages ranks) the mean over valid videos x trained steps, this optimizer step's share
+        # the loss is the mean over the batch's valid videos x trained steps, this optimizer step's
+        # share: summed over micro-batches and steps here, and over ranks by FSDP's gradient average
         denom = max(1.0, batch['valid'].sum().item()) * n_train / world / updates_per_iter
-        kls = []  # the KL of each micro-batch: lambda_KL's input
+        kls = []  # the mean KL of each micro-batch's training videos: lambda_KL's input
         # FSDP reduce-scatters after every backward, so gradients stay sharded (accumulating
         # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
-        bar = tqdm(micro(chunk), 'update', disable=not master, leave=False)
-        for b, stand_in, j in preemption.points(bar):  # a stop drops these gradients: no step yet
+        for b, j in micro_batches(chunk):  # a stop drops these gradients: no step taken yet
             loss, terms = step_loss(videos, b, order[b, j], s_t, controller.value, denom)
-            loss.backward()
-            if stand_in:  # no finite video in b: zeroed latents at weight 0, a zero gradient that
-                continue  # joins FSDP's collectives (every rank runs every pass); nothing to log
-            kls.append(stats.add(loss, terms))  # the micro-batch's mean KL
-            if kl_update == 'backward' and math.isfinite(kls[-1]):  # released: the rank's own KL
-                controller.update(kls[-1])  # (ranks' lambdas differ; a checkpoint keeps rank 0's)
-        r1 = stats.kl_ratio(controller.value, updates_per_iter, device)  # at lambda 1; collective
+            split.backward(loss, terms, denom)  # loss.backward(); on a cadence, the two terms apart
+            kl = terms['kl'][terms['valid'] > 0].mean().item() if terms['valid'].any() else None
+            kls += [kl] if kl is not None else []
+            stats.add(loss, terms, videos['logps'][b, order[b, j]])
+            variants.lambda_after_backward(controller, kl)  # kl_update='backward' (released): off
+        r1 = split.measure(controller.value)  # ||KL term's gradient|| / ||policy's|| at lambda 1; off
         norm = clip_grad_norm(optimizers, grad_clip)  # in place; the norm of all ranks' shards
-        stats.stepped(norm, updates_per_iter)
+        stats.stepped(norm, updates_per_iter, split.logged)
         skipped = nonfinite(norm, run.iter_num + 1)  # NaN or inf: no step, so no NaN weight
         for o in optimizers if not skipped else []:
             o.step()
@@ -350,30 +318,30 @@ def update(videos, batch, steps, s_t):
         if not skipped:
             run.opt_steps += 1
             preemption.stepped()  # the weights moved: the iteration runs to its end, then saves
-            if kl_update == 'step':  # lambda_KL after each optimizer step, on all ranks' KL
+            if variants.kl_update == 'step':  # lambda_KL after each optimizer step, on all ranks' KL
                 controller.update(parallel.mean_of(kls, device), r1)
             anchor.maybe_refresh(policy, run.opt_steps)  # every anchor_every steps (moving, dual)
     count_passes(run.passes, ('anchor', 'update'), device)
     return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group),
                 nonfinite_clips=finite.count(videos['finite'], device, dp_group))
 
-def gradient_norms(videos, steps, s_t):
-    """extras/diagnostics.py's gradient norms of the first sp group's video 0, 4 more passes."""
+def gradient_norms(it, videos, steps, s_t):
+    """Every diag_every iterations (off by default): one clip's gradient norms at its first and last
+    trained step, with and without S_t, and its KL/policy ratio (extras/diagnostics.py, 4 passes)."""
+    if not diag_every or it % diag_every:
+        return {}
     def terms_at(t):  # a fresh forward of video 0 at step t
         return step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
-    betas = kl_pos_weight, kl_vel_weight  # world: rank 0 of dp, whose gradient FSDP averaged
-    norms = diagnostics.gradient_norms(terms_at, steps, s_t, controller.value, betas, optimizers,
-                                       world if dp_rank == 0 else 0, preemption.point)
-    count_passes(run.passes, ('diag_anchor', 'diag'), device)
+    norms = diagnostics.gradient_norms(terms_at, steps, s_t, controller.value, (kl_pos_weight, kl_vel_weight),
+                                       optimizers, world if dp_rank == 0 else 0, preemption.point)
+    count_passes(run.passes, ('diag_anchor', 'diag'), device)  # world: dp rank 0's gradient, FSDP-averaged
     return norms
 
 def log_iteration(scores, batch, row, diag, times):
     """metrics.jsonl's row of the iteration, and its line on the console."""
-    if credit == 'tvrl':  # the mean of each video's largest credit, before the diagnostics
-        diag = dict(credit_peak=parallel.mean(scores['credit_peak'].mean(), device), **diag)
-    log(dict(iter=run.iter_num, **diagnostics.reward_row(batch, reward.DIMS), **row, **diag,
-             **{f'passes_{k}': n for k, n in run.passes.items()}, **times,
-             **parallel.peak_memory(device)))
+    log(dict(iter=run.iter_num, **diagnostics.reward_row(batch, reward.DIMS), **row,
+             **variants.credit_row(scores, device), **diag, **{f'passes_{k}': n for k, n in run.passes.items()},
+             **times, **parallel.peak_memory(device)))
 
 def held_out(it):
     """Evaluate, watch, log; a stop meanwhile checkpoints, and this evaluation is owed on resume."""
@@ -389,8 +357,8 @@ def held_out(it):
 
 def checkpoint_or_stop(it):
     """Checkpoint after the run's first iteration, every save_every iterations and save_every_min
-    minutes (rundir.Cadence), at the end, on a stop request (SIGTERM: every rank asks once an
-    iteration) and at a tripped alarm with hack_stop. True: the run stops here."""
+    minutes, at the end, on a stop request (SIGTERM: every rank asks once an iteration) and at a
+    tripped alarm with hack_stop. True: the run stops here."""
     stop, halt = preemption.requested(device), hack_stop and alarm.tripped is not None
     if cadence.due(it) or it == max_iters or stop or halt:  # due() first: a collective on every rank
         run.save()
@@ -416,11 +384,10 @@ while run.iter_num < max_iters:
     scores = score(videos, steps)                    # {'VQ', 'MQ', 'TA'}: (n,) each
     t2 = time.time()
     videos['adv'], videos['valid'], batch = advantages(scores)  # within each group; NaN: left out
-    diag = {} if not diag_every or it % diag_every else gradient_norms(videos, steps, s_t)  # off by default
+    diag = gradient_norms(it, videos, steps, s_t)   # one clip's 4-pass gradient norms: off
     row = update(videos, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
     run.iter_num = it = it + 1
-    log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1,
-                                                 t_update=time.time() - t2))
+    log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1, t_update=time.time() - t2))
     if (eval_every and it % eval_every == 0) or it == max_iters:
         held_out(it)                                # held-out ODE samples, watchers, the alarm
     if checkpoint_or_stop(it):

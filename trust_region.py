@@ -11,12 +11,13 @@ Strategies: 'none' (no KL), 'fixed' (anchor = initial model), 'stepwise' (veloci
 'none' and 'stepwise' need no anchor: Anchor() may be built for them but holds nothing.
 
 Where this differs from the paper and the released code (docs/method.md section 6):
-KLController.update is called by train.py once per optimizer step with the KL averaged over all
-ranks (kl_update='step'), where the released code calls it after every backward with the rank's own
-KL (kl_update='backward': its warm-up is over in ~2.5 optimizer steps and the ranks' lambdas drift
-apart); the velocity term is the exact Gaussian KL, not the released sample estimate (why: section
-5.4; train.py's kl_estimator='sample' restores it); the controller keeps the printed direction (high
-KL *relaxes* the penalty), direction = -1 gives the stabilising one. Its start, floor, ceiling,
+train.py calls KLController.update once per optimizer step with the KL averaged over all ranks,
+where the released code calls it after every backward with the rank's own KL (extras/variants.py
+kl_update='backward': its warm-up is over in ~2.5 optimizer steps and the ranks' lambdas drift apart);
+the velocity term is the exact Gaussian KL, not the released sample estimate (why: section 5.4;
+kl_estimator='sample' restores it); the controller keeps the printed direction (high KL *relaxes* the
+penalty); direction = -1 reverses the rule (high KL raises lambda, low KL lowers it), but the warm-up
+ends at the ceiling kl_max, so either way lambda only moves below kl_max and back up to it. Its start, floor, ceiling,
 warm-up and target are train.py's settings kl_init, kl_min, kl_max, kl_warmup, kl_target, and the
 anchor's refresh period anchor_every (section 5.5): arguments without defaults here, written once.
 
@@ -56,15 +57,15 @@ def gaussian_kl(mean, mean_ref, std):
     return sq / (2 * std**2)
 
 
-def output_grad_sq(term, mean):
-    """(n,) the squared norm of d term.sum() / d mean for each sample: the gradient a per-sample loss
-    term (n,) sends into the transition mean (n, ...) it is computed from, before the network's
-    Jacobian. Autograd stops at `mean`: no pass through the network, the graph is kept for the
-    backward that follows. The logged KL/policy gradient ratio (docs/method.md 5.6) is built of these."""
-    if not (term.requires_grad and mean.requires_grad):  # a term that is off (a zero tensor), or no graph
-        return torch.zeros(mean.shape[0], device=mean.device)
-    g, = torch.autograd.grad(term.sum(), mean, retain_graph=True, allow_unused=True)
-    return torch.zeros(mean.shape[0], device=mean.device) if g is None else g.float().flatten(1).pow(2).sum(1)
+def velocity_kl(new, mean_old, logp_old, estimator='exact'):
+    """The velocity term (B,): KL(policy's step || the rollout policy's), exact between the two
+    Gaussians, or the released code's one-sample estimate logp_old - logp of the rollout's own x_{t+1}
+    ('sample': 0 in expectation at theta_old, its gradient not; docs/method.md 5.4). new: sde.step's."""
+    if estimator == 'exact':
+        return gaussian_kl(new.mean, mean_old, new.std)
+    if estimator == 'sample':
+        return logp_old - new.logp
+    raise ValueError(f'unknown kl_estimator {estimator!r}, expected one of {ESTIMATORS}')
 
 
 def _trainable(model):

@@ -3,7 +3,7 @@ Token-level credit (credit.py): what the extra reward backward costs, and what t
 
     python -m bench.credit        # ~2 min on one busy CPU core: results/credit_cost.md, results/credit_maps.png
 
-1. cost: the reward alone (no grad, as train.py's credit='none') vs reward.score_and_grad (forward with
+1. cost: the reward alone (no grad, as train.py's credit='none') vs credit.score_and_grad (forward with
    grad + one backward to the pixels, credit='tvrl'), wall time (median of `repeats`) and the memory
    the backward needs: bytes of the tensors autograd saves for it (unique storages, counted with
    saved_tensors_hooks) plus the pixel gradient itself. Toy reward on one rank's 64 clips; the tiny
@@ -60,7 +60,7 @@ def timed(fn):
 
 def cost_row(name, reward_fn, frames, prompts, fps):
     plain = lambda: reward_fn(frames, prompts, fps)
-    both = lambda: reward.score_and_grad(reward_fn, frames, prompts, fps, reward.SETTING_B)
+    both = lambda: credit.score_and_grad(reward_fn, frames, prompts, fps, reward.SETTING_B)
     t0, t1 = timed(plain), timed(both)
 
     def forward_with_grad():
@@ -100,7 +100,7 @@ def picture():
     prompts = ['a red circle moving left', 'a blue square moving up', 'a green cross moving right',
                'a yellow triangle moving down']
     frames = toy.sample(toy.load_model(), prompts, range(len(prompts)))  # (4, F, 3, H, W) base model, ODE
-    scores, g = reward.score_and_grad(toy.reward, frames, prompts, toy.FPS, reward.SETTING_B)
+    scores, g = credit.score_and_grad(toy.reward, frames, prompts, toy.FPS, reward.SETTING_B)
     c = credit.credit_map(g, toy.LATENT_SHAPE)[:, 0]  # (4, F, 6, 6)
     up = c.repeat_interleave(toy.PATCH, 2).repeat_interleave(toy.PATCH, 3)  # (4, F, 24, 24)
     Fr = frames.shape[1]

@@ -1,7 +1,7 @@
 """
 Token-level credit (TVRL): route a clip's advantage to the latent tokens the frozen reward depends on.
 
-    g        = dR/d video (B, F, 3, H, W),  R = w_vq VQ + w_mq MQ + w_ta TA   (reward.py: score_and_grad)
+    g        = dR/d video (B, F, 3, H, W),  R = w_vq VQ + w_mq MQ + w_ta TA   (score_and_grad below)
     m[t,i,j] = sum of |g| over the channels and pixels that latent token (t, i, j) decodes to:
                video frame f -> latent frame 0 if f == 0 else (f - 1) // T + 1 (causal VAE),
                pixel (y, x)  -> position (y // P, x // P)
@@ -115,7 +115,7 @@ def score(reward_fn, frames, prompts, fps, weights, latent_shape, window, granul
     """train.py's scores of decoded clips frames (B, F, 3, H, W) with credit='tvrl': reward_fn's, and
     each clip's credit map (B, 1, F, h, w) from g = d composite / d frames. A reward that samples
     frames (VideoAlign at 2 fps: its sample_fps) sees some of them: the others are interpolated."""
-    scores, g = reward.score_and_grad(reward_fn, frames, prompts, fps, weights)  # g (B, F, 3, H, W)
+    scores, g = score_and_grad(reward_fn, frames, prompts, fps, weights)  # g (B, F, 3, H, W)
     rate = getattr(reward_fn, 'sample_fps', None)
     seen = sample_indices(frames.shape[1], fps, rate) if rate else None  # VideoAlign's frames
     return dict(scores, credit=credit_map(g, latent_shape, seen, window, granularity))
@@ -137,3 +137,22 @@ def reweight(clips, credit, steps):
         clips['logps'][:, t] = sde.log_prob(clips['xs'][:, t + 1], clips['means'][:, t],
                                             clips['stds'][:, t], credit)
     return credit, credit.flatten(1).amax(1)
+
+
+def score_and_grad(reward_fn, frames, prompts, fps, weights):
+    """Scores (as reward_fn) and g = d combine(scores, weights) / d frames (B, F, 3, H, W) float32,
+    the gradient of each clip's composite w.r.t. its own pixels, the reward's parameters held fixed
+    (they never receive gradients: VideoAlign's are frozen, the toy has none). VideoAlign
+    differentiates through its torch preprocessing (resize, patchify; 8-bit rounding
+    straight-through). A clip whose score is NaN gets g = 0. One backward of the sum: clips do not
+    interact in the reward."""
+    x = frames.detach().float().requires_grad_(True)
+    with torch.enable_grad():
+        scores = getattr(reward_fn, "score", reward_fn)(x, prompts, fps)
+        r = reward.combine(scores, weights)  # (B,)
+        ok = torch.isfinite(r.detach())
+        if ok.any():
+            torch.where(ok.to(r.device), r, 0.0).sum().backward()
+    g = x.grad if x.grad is not None else torch.zeros_like(x)
+    g = torch.where(torch.isfinite(g), g, 0.0)  # (B, F, 3, H, W)
+    return {k: v.detach() for k, v in scores.items()}, g

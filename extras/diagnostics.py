@@ -5,19 +5,21 @@ What train.py measures of its update, for the log:
   summed over its micro-batches and then averaged over the ranks; and the drift |d logp| between the
   rollout's log-probs and the update's recomputation at theta_old (the rounding of two batch shapes:
   docs/method.md 4.6), its mean, its largest and the fraction beyond clip_range;
+- GradientSplit (ratio_every; off by default): the KL/policy ratio of the step's summed gradients;
 - gradient_norms (diag_every; off by default): the gradient norm of one clip's policy term at the
   first and the last trained step, without and with the equalizer's S_t (the paper's Fig. 3: S_t
   evens them out, docs/method.md section 3), and the ratio of its KL term's gradient norm to its
   policy term's.
 
-    stats = UpdateStats(n_local * n_train, clip_range); stats.add(loss, terms); stats.row(...)
+    stats = UpdateStats(n_local * n_train, clip_range); stats.add(loss, terms, logp); stats.row(...)
     diag = gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary)
 
 gradient_norms costs 4 forward+backward passes of one clip per rank (and 4 anchor forwards with a
 position KL), and leaves every .grad empty: call it between optimizer steps, never inside an
 accumulation.
 
-Tested by: python -m pytest tests/test_train_ranks.py (the same figures on 2 ranks and 1 process)
+Tested by: python -m pytest tests/test_train_ranks.py (the same figures on 2 ranks and 1 process),
+tests/test_kl_ratio.py (GradientSplit against brute-force summed gradients)
 """
 import math
 
@@ -41,12 +43,12 @@ def reward_row(batch, dims):
 
 
 class UpdateStats:
-    def __init__(self, n_terms, clip_range):
-        """n_terms: the (clip, trained step) terms of this rank's update, over all optimizer steps."""
-        self.n, self.clip_range = n_terms, clip_range
+    def __init__(self, n_terms, clip_range, on_policy=True):
+        """n_terms: the (clip, trained step) terms of this rank's update, over all optimizer steps;
+        on_policy: the drift is measured by add() (else by the update's recomputation, drifted())."""
+        self.n, self.clip_range, self.on_policy = n_terms, clip_range, on_policy
         self.sums = dict(loss=0.0, kl_pos=0.0, kl_vel=0.0, clipfrac=0.0, grad_norm=0.0, ratio_max=0.0,
-                         skipped=0, drift=0.0, drift_n=0, drift_out=0, drift_max=0.0, kl_ratio_est=0.0)
-        self.g_sq = None  # this optimizer step's sum over its valid terms of ||d term / d mean||^2: policy, KL
+                         skipped=0, drift=0.0, drift_n=0, drift_out=0, drift_max=0.0, kl_ratio=0.0, kl_ratio_n=0)
 
     def drifted(self, d):
         """|logp_rollout - logp_recomputed| (n,) of some terms at theta_old."""
@@ -56,38 +58,30 @@ class UpdateStats:
         s['drift_out'] += int((d > self.clip_range).sum())
         s['drift_max'] = max(s['drift_max'], d.max().item())
 
-    def add(self, loss, terms):
-        """One micro-batch: its loss and its per-clip terms {'kl', 'kl_pos', 'kl_vel', 'ratio', 'drift',
-        'valid', 'g_policy', 'g_kl'} (n,) (drift None: measured by the update's recomputation of the old
-        log-probs). Returns the micro-batch's mean KL (the strategy's weighted sum: lambda_KL's input)."""
-        g = torch.stack([(terms[k] * terms['valid']).sum() for k in ('g_policy', 'g_kl')])
-        self.g_sq = g if self.g_sq is None else self.g_sq + g
-        if terms.get('drift') is not None:
-            self.drifted(terms['drift'])
-        ratio_dev = (terms['ratio'] - 1).abs()  # vs clip_range; float noise at theta_old
-        s = self.sums
+    def add(self, loss, terms, rollout_logp):
+        """One micro-batch: its loss and its per-clip terms {'kl_pos', 'kl_vel', 'ratio', 'logp', 'valid'}
+        (n,) (train.step_loss's), of its valid clips (a stand-in micro-batch has none); rollout_logp
+        (n,): the rollout's log-probs of the same steps (the drift, on policy)."""
+        s, valid = self.sums, terms['valid'] > 0
         s['loss'] += loss.item()
-        s['kl_pos'] += terms['kl_pos'].sum().item() / self.n
-        s['kl_vel'] += terms['kl_vel'].sum().item() / self.n
+        if not valid.any():
+            return
+        if self.on_policy:  # the update's forward at theta_old against the rollout's: two batch shapes
+            self.drifted((terms['logp'].detach() - rollout_logp)[valid].abs())
+        ratio_dev = (terms['ratio'] - 1).abs()[valid]  # vs clip_range; float noise at theta_old
+        s['kl_pos'] += terms['kl_pos'][valid].sum().item() / self.n
+        s['kl_vel'] += terms['kl_vel'][valid].sum().item() / self.n
         s['clipfrac'] += (ratio_dev > self.clip_range).float().sum().item() / self.n
         s['ratio_max'] = max(s['ratio_max'], ratio_dev.max().item())
-        return terms['kl'].mean().item()
 
-    def kl_ratio(self, lam, n_steps, device):
-        """The KL/policy gradient ratio of this optimizer step at lambda 1, from every rank's terms since
-        the last call (docs/method.md 5.6; nan: no valid clip); lam times it is logged (kl_ratio_est).
-        Collective: every rank calls it once an optimizer step."""
-        g = parallel.total(self.g_sq if self.g_sq is not None else torch.zeros(2, device=device))
-        self.g_sq = None
-        r1 = (g[1] / g[0]).sqrt().item()  # an sp group counts its clips on both sides: the ratio stays
-        self.sums['kl_ratio_est'] += lam * r1 / n_steps if math.isfinite(r1) else 0.0
-        return r1
-
-    def stepped(self, grad_norm, n_steps):
+    def stepped(self, grad_norm, n_steps, kl_ratio=None):
         """One optimizer step's gradient norm (a float, clip_grad_norm_'s), of n_steps this iteration;
-        a non-finite one counts as skipped (train.py takes no step)."""
+        a non-finite one counts as skipped (train.py takes no step); kl_ratio: GradientSplit's, if measured."""
         self.sums['grad_norm'] += grad_norm / n_steps
         self.sums['skipped'] += not math.isfinite(grad_norm)
+        if kl_ratio is not None:
+            self.sums['kl_ratio'] += kl_ratio
+            self.sums['kl_ratio_n'] += 1
 
     def row(self, device, sp_size=1, dp_group=None):
         """The log's figures: means over the ranks (an sp group's ranks each hold the whole loss of
@@ -98,10 +92,62 @@ class UpdateStats:
         drift = parallel.gather(torch.tensor([[s['drift'], s['drift_n'], s['drift_out']]], device=device,
                                              dtype=torch.float64), dp_group).sum(0)  # (3,) over data-parallel ranks
         n = max(1.0, drift[1].item())
+        ratio = dict(kl_ratio=s['kl_ratio'] / s['kl_ratio_n']) if s['kl_ratio_n'] else {}  # the same on every rank
         return dict(loss=mean('loss') / sp_size, kl_pos=mean('kl_pos'), kl_vel=mean('kl_vel'),
                     clipfrac=mean('clipfrac'), grad_norm=s['grad_norm'], ratio_max=top[0].item(),
-                    skipped_steps=s['skipped'], kl_ratio_est=s['kl_ratio_est'], logp_drift_mean=drift[0].item() / n, logp_drift_max=top[1].item(),
-                    logp_drift_frac=drift[2].item() / n)
+                    skipped_steps=s['skipped'], **ratio, logp_drift_mean=drift[0].item() / n,
+                    logp_drift_max=top[1].item(), logp_drift_frac=drift[2].item() / n)
+
+
+class GradientSplit:
+    """The KL/policy gradient ratio the optimizer sees (docs/method.md 5.6): ||g_KL|| / ||g_policy||, the
+    norms of the optimizer step's summed KL-term and policy-term gradients in parameter space, after the
+    ranks' reduction (FSDP's reduce-scatter: the norms are of every rank's shards). The KL gradients of
+    all clips pull along one displacement and add, the policy gradients (zero-mean advantages) largely
+    cancel, so a per-clip ratio misses what the sum shows. When on, each micro-batch's backward runs
+    the two terms apart (two backward passes of one forward) into separate sums, added back before the
+    step (the same gradient, to float rounding); off, backward() is loss.backward().
+
+        split = GradientSplit(optimizers, on)
+        split.backward(loss, terms, denom)  # every micro-batch
+        r1 = split.measure(lam)             # before the clip: the ratio at lambda 1 (None: off);
+                                            # split.logged: lam * r1, the ratio the step sees"""
+
+    def __init__(self, optimizers, on):
+        self.params = [p for o in optimizers for g in o.param_groups for p in g['params']]
+        self.on, self.kl, self.logged = bool(on), None, None
+
+    def backward(self, loss, terms, denom):
+        if not self.on:
+            return loss.backward()
+        policy = torch.where(terms['valid'] > 0, terms['policy'], 0.0).sum() / denom  # loss's policy part
+        stash = [p.grad for p in self.params]  # the policy gradients accumulated so far
+        for p in self.params:
+            p.grad = None
+        (loss - policy).backward(retain_graph=True)  # the KL term alone: the policy's cancels exactly
+        self.kl = self.kl or [None] * len(self.params)
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self.kl[i] = p.grad if self.kl[i] is None else self.kl[i] + p.grad
+            p.grad = stash[i]
+        policy.backward()
+
+    def measure(self, lam):
+        if not self.on:
+            return None
+        norm = lambda gs: _full(torch.nn.utils.get_total_norm([g for g in gs if g is not None]))  # noqa: E731
+        g_policy, g_kl = norm([p.grad for p in self.params]), norm(self.kl or [])
+        for p, g in zip(self.params, self.kl or []):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self.kl = None
+        r1 = g_kl / lam / g_policy if g_policy > 0 else float('nan')
+        self.logged = lam * r1
+        return r1
+
+
+def _full(n):
+    return (n.full_tensor() if isinstance(n, DTensor) else n).item()  # FSDP2: a DTensor
 
 
 def grad_norm(loss, optimizers, weight):
@@ -113,7 +159,7 @@ def grad_norm(loss, optimizers, weight):
     (loss * weight).backward()
     n = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     zero_grad(optimizers)
-    return (n.full_tensor() if isinstance(n, DTensor) else n).item()  # FSDP2: a DTensor
+    return _full(n)
 
 
 class NonFinite:

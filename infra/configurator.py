@@ -7,6 +7,11 @@ error that names the key, never a silent new global.
 
 Usage inside a script, after its settings:
     config = configure(globals())   # returns the resolved settings as a dict
+    config = configure(globals(), sections=(variants,))  # and the settings of another file (its constants)
+
+A section is a module whose settings (its lower-case constants) stand with its own code: a key that it
+holds is set on it, the rest on the script; each configure() first puts a section's defaults back, so a
+run in the same process (a test) starts from them.
 
 Then every setting is checked against RULES below (ranges, sizes, the plumbing's own names) and the
 script's own rules, before the script loads or writes anything: a bad value is one line that names the
@@ -60,9 +65,8 @@ _CLIPS = ((lambda v: len(v) > 0 and all(_clip(c) for c in v)),
 # ----------------------------------------------------------------------------- valid values
 # setting: (test of a value, what is allowed); None passes only where the script's default is None
 RULES = dict(
-    optimizer=one_of(*OPTIMIZERS), credit=one_of('none', 'tvrl'),
-    kl_update=one_of('step', 'backward'), prompt_noise=one_of('fresh', 'fixed'),
-    init_from=one_of('auto', 'scratch', 'resume'), reward_model=one_of('videoalign', 'world'),
+    optimizer=one_of(*OPTIMIZERS),
+    init_from=one_of('auto', 'scratch', 'resume'),
     device=one_of('cuda', 'cpu'), export_dtype=one_of('bfloat16', 'float16', 'float32', ''), kl_direction=one_of(1, -1),
     credit_window=((lambda v: len(v) == 3 and all(k >= 1 and k % 2 for k in v)), '3 odd sizes (t, h, w) >= 1'),
     reward_weights=((lambda v: len(v) == 3 and all(w >= 0 for w in v)), '3 weights (VQ, MQ, TA) >= 0'),
@@ -174,11 +178,21 @@ def _check(key, value, settings):
                      f'(default {old!r}), got {type(value).__name__} {value!r}')
 
 
-def configure(g, argv=None, rules=None):
-    """Apply config files and --key=value overrides from argv to the globals dict g, then check
-    every setting against RULES (updated with this script's own rules)."""
+_SECTION_DEFAULTS = {}  # module name -> its settings as first imported
+
+
+def configure(g, argv=None, rules=None, sections=()):
+    """Apply config files and --key=value overrides from argv to the globals dict g and the sections'
+    modules, then check every setting against RULES (updated with this script's own rules)."""
     argv = sys.argv[1:] if argv is None else argv
-    settings = _settings(g)
+    settings, owner = _settings(g), {}
+    for m in sections:
+        own = _SECTION_DEFAULTS.setdefault(m.__name__, _settings(vars(m)))
+        vars(m).update(own)  # its defaults, whatever an earlier run in this process set
+        if set(own) & set(settings):
+            raise ValueError(f'{m.__name__} and the script both define {sorted(set(own) & set(settings))}')
+        settings.update(own)
+        owner.update(dict.fromkeys(own, vars(m)))
     defaults = dict(settings)
     for arg in argv:
         if not arg.startswith('--'):
@@ -202,6 +216,6 @@ def configure(g, argv=None, rules=None):
             updates = {key: value}
         for key, value in updates.items():
             value = _check(key, value, settings)
-            g[key] = settings[key] = value
+            owner.get(key, g)[key] = settings[key] = value
     check(settings, {**RULES, **(rules or {})}, defaults)
     return settings

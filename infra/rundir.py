@@ -47,7 +47,7 @@ LOG = 'metrics.jsonl'
 SAFE = frozenset((
     'out_dir', 'init_from', 'max_iters',
     'eval_every', 'eval_samples', 'eval_videos', 'eval_steps', 'eval_prompts', 'eval_metrics',
-    'clip_dir', 'pickscore_dir', 'save_every', 'save_every_min', 'keep_checkpoints', 'export_dtype', 'diag_every',
+    'clip_dir', 'pickscore_dir', 'save_every', 'save_every_min', 'keep_checkpoints', 'export_dtype', 'diag_every', 'ratio_every',
     'wandb_project',
     'rollout_batch', 'train_batch', 'gradient_checkpointing', 'attention', 'attention_backend', 'device',
     'sp_size', 'dist_timeout', 'shard_size', 'solo_timeout',

@@ -238,37 +238,15 @@ def seed_of(*parts):
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:15], 16)
 
 
-RECORDS = ('xs', 'means', 'logps', 'stds')  # what sample() can keep of every step
+RECORDS = sde.RECORDS  # what sample() can keep of every step
 
 
-@torch.no_grad()
 def sample(net, x, sigmas, text, cfg, text_neg, kind, eta, gens, keep=(), window=None, boundary=None):
-    """The rollout, and the ODE sampler: x (B, C, F, h, w) from sigmas[0] down to sigmas[-1] with
-    sde.step() of this kind (at the steps in `window` only, if given: ODE steps elsewhere), the
-    guided velocity of transformer net for text, text_neg. gens: one generator per sample, its own
-    noise stream, so a clip's rollout does not depend on how clips are batched. boundary(): before
-    each forward. Returns the final latents and {name: every step's} of the RECORDS named in keep
-    (None if none): xs (B, N+1, ...) the latents, means (B, N, ...) float32, logps (B, N) (0 at an
-    ODE step: it has no log-probability and is never trained), stds (B, N)."""
-    keep = keep or ()  # False: nothing
-    if set(keep) - set(RECORDS):
-        raise ValueError(f'keep={keep!r}: sample() keeps only {RECORDS}')
-    B, N = x.shape[0], len(sigmas) - 1
-    kept = {k: [x] if k == 'xs' else [] for k in keep}
-    for i in range(N):
-        if boundary is not None:
-            boundary()
-        v = velocity(net, x, sigmas[i].expand(B).to(x.device), text, cfg, text_neg)
-        # z (B, ...) drawn even for an ODE step: every clip's stream stays aligned with its steps
-        z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
-        st = sde.step(x, v, sigmas[i].item(), sigmas[i + 1].item(), noise=z,
-                      kind=kind if window is None or i in window else 'ode', eta=eta)
-        x = st.x_next
-        now = dict(xs=x, means=st.mean, stds=st.std,
-                   logps=st.logp if st.logp is not None else x.new_zeros(B))
-        for k in kept:
-            kept[k].append(now[k])
-    return x, {k: torch.stack(v, 1) for k, v in kept.items()} if kept else None
+    """sde.rollout with the guided velocity of transformer net for text, text_neg: the ODE sampler
+    (kind 'ode') of the evaluation and sample.py, and the SDE at the steps in `window` (all if None)."""
+    def v(x, s):
+        return velocity(net, x, s, text, cfg, text_neg)
+    return sde.rollout(v, x, sigmas, kind, eta, gens, steps=window, keep=keep, boundary=boundary)
 
 
 # ----------------------------------------------------------------------------- frames

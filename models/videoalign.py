@@ -39,7 +39,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from reward import FiniteFrames
+from infra.finite import FiniteFrames
 
 SAMPLE_FPS = 2.0  # frames per second shown to the model (data_config.fps in model_config.json)
 MIN_FRAMES = 4  # fewest sampled frames (qwen-vl-utils FPS_MIN_FRAMES)
@@ -325,17 +325,33 @@ def load_videoalign(checkpoint_dir, qwen_dir, device="cpu", dtype=torch.bfloat16
     return VideoAlign(model, rm_head, tokenizer, norm, sample_fps, max_pixels)
 
 
+def world_reward(videoalign_dir, qwen_dir, device, family):
+    """reward_model='world': the model family's own exact reward and manifold distance (the toy's;
+    models/__init__.py OPTIONAL), which a real model does not have."""
+    if getattr(family, "reward", None) is None:
+        raise SystemExit("reward_model='world': this model has no reward of its own; "
+                         "use reward_model='videoalign'")
+    return family.reward, getattr(family, "manifold_distance", None)
+
+
+def videoalign_reward(videoalign_dir, qwen_dir, device, family):
+    """reward_model='videoalign': the paper's, frozen; no manifold distance."""
+    return load_videoalign(videoalign_dir, qwen_dir, device), None
+
+
+# train.py's reward_model -> (videoalign_dir, qwen_dir, device, family) -> (reward_fn, manifold_distance
+# or None). A new reward is a function and its line here (reward.py: the interface it returns)
+REWARDS = {"videoalign": videoalign_reward, "world": world_reward}
+CHOICES = dict(reward_model=tuple(REWARDS))  # the configurator's rule for train.py's setting
+
+
 def load_reward(kind, videoalign_dir, qwen_dir, device, family=None):
-    """train.py's reward_model -> (reward_fn, manifold_distance): 'videoalign', frozen (no manifold
-    distance: None), or 'world': the model family module `family`'s own exact reward and manifold
-    distance (the toy's; models/__init__.py OPTIONAL), which a real model does not have. Either
-    reward_fn scores a clip with a non-finite frame NaN (reward.FiniteFrames)."""
-    if kind == "world":
-        if getattr(family, "reward", None) is None:
-            raise SystemExit("reward_model='world': this model has no reward of its own; "
-                             "use reward_model='videoalign'")
-        return FiniteFrames(family.reward), getattr(family, "manifold_distance", None)
-    return FiniteFrames(load_videoalign(videoalign_dir, qwen_dir, device)), None
+    """(reward_fn, manifold_distance) of REWARDS[kind]; reward_fn scores a clip with a non-finite frame
+    NaN (infra/finite.py FiniteFrames)."""
+    if kind not in REWARDS:
+        raise SystemExit(f"reward_model={kind!r}: one of {', '.join(REWARDS)} (models/videoalign.py REWARDS)")
+    reward_fn, manifold_distance = REWARDS[kind](videoalign_dir, qwen_dir, device, family)
+    return FiniteFrames(reward_fn), manifold_distance
 
 
 def check(checkpoint_dir, qwen_dir, device, size=(81, 352, 624), fps=24):

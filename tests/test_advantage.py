@@ -1,5 +1,5 @@
 """
-reward.component_advantages ('per_component', 'taros') against a slow reference written here in plain
+extras/variants.py component_advantages ('per_component', 'taros') against a slow reference written here in plain
 Python, loop by loop, from the formulas of docs/method.md section 4.3. What a failure would show: a
 component standardised over the batch instead of its group, a NaN component that leaks into its group's
 mean, a sparsity or saturation rule that acts the wrong way.
@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from reward import TAROS_DEADZONE, TAROS_SATURATED, component_advantages, group_advantages
+from extras.variants import TAROS_DEADZONE, TAROS_SATURATED, component_advantages
+from reward import group_advantages
 
 W = (0.5, 0.5, 1.0)  # Setting B
 

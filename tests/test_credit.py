@@ -1,4 +1,4 @@
-"""Token-level credit (credit.py, reward.score_and_grad, sde.log_prob's weight) against independent
+"""Token-level credit (credit.py and its score_and_grad, sde.log_prob's weight) against independent
 references: hand-computed latent tokens of a hot pixel and of a hot VideoAlign patch, the toy's own
 encoder, torch.distributions with explicit weights, and central finite differences of the rewards.
 python -m pytest tests/test_credit.py"""
@@ -135,7 +135,7 @@ def test_toy_reward_gradient_matches_finite_differences():
     clean = torch.stack([toy.render(p, i) for i, p in enumerate(prompts)])
     frames = (clean + 0.04 * torch.randn(clean.shape, generator=gen)).clamp(0.05, 0.95)  # off the manifold
     w = reward.SETTING_B
-    scores, g = reward.score_and_grad(toy.reward, frames, prompts, toy.FPS, w)
+    scores, g = credit.score_and_grad(toy.reward, frames, prompts, toy.FPS, w)
     assert torch.equal(reward.combine(scores, w), reward.combine(toy.reward(frames, prompts), w))
     assert g.dtype == torch.float32 and g.abs().sum() > 0
     x = frames.double().requires_grad_()
@@ -160,14 +160,14 @@ def test_videoalign_gradient_matches_finite_differences(tiny_va, monkeypatch):
     prompts = ['a cat walks on the grass', 'a dog runs in the park at night']
     w = (0.5, 0.5, 1.0)
     # with the 8-bit rounding on: the same scores as __call__ and a gradient (straight-through)
-    scores, g = reward.score_and_grad(tiny_va, frames, prompts, 8, w)
+    scores, g = credit.score_and_grad(tiny_va, frames, prompts, 8, w)
     assert all(torch.equal(scores[k], tiny_va(frames, prompts, 8)[k]) for k in reward.DIMS)
     assert g.shape == frames.shape and g.abs().sum() > 0
     assert all(p.grad is None and not p.requires_grad for p in tiny_va.model.parameters())
     assert tiny_va.rm_head.weight.grad is None
     # rounding off (identity), the pipeline is smooth: autograd == central differences
     monkeypatch.setattr(videoalign, '_round', lambda x: x)
-    _, g = reward.score_and_grad(tiny_va, frames, prompts, 8, w)
+    _, g = credit.score_and_grad(tiny_va, frames, prompts, 8, w)
     fn = lambda f: reward.combine(tiny_va(f, prompts, 8), w).double()
     for _ in range(2):
         fd, an = directional(fn, frames, g, gen, 1e-3)

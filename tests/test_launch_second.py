@@ -28,7 +28,7 @@ import torch
 import reward
 import sde
 from extras import preflight
-from infra import optimizer as optim, parallel, rundir
+from infra import finite, optimizer as optim, parallel, rundir
 from models import policy as model
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -80,8 +80,8 @@ def test_a_nan_clip_leaves_the_update_and_the_others_train(tmp_path, monkeypatch
     def record_clip(optimizers, *a, **kw):  # the accumulated gradient, before the clip scales it
         grads.update({n: p.grad.clone() for n, p in built['policy'].named_parameters() if p.grad is not None})
         return clip(optimizers, *a, **kw)
-    finite_frames = reward.FiniteFrames.__call__
-    monkeypatch.setattr(reward.FiniteFrames, '__call__',
+    finite_frames = finite.FiniteFrames.__call__
+    monkeypatch.setattr(finite.FiniteFrames, '__call__',
                         lambda self, *a, **kw: scored.append(finite_frames(self, *a, **kw)) or scored[-1])
     monkeypatch.setattr(optim, 'build', record_build)
     monkeypatch.setattr(optim, 'clip_grad_norm', record_clip)
