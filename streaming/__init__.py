@@ -20,11 +20,12 @@ Only the attention processors are new (StreamSelf, StreamCross): patch embedding
 embedding, norms, feed-forward and output are diffusers' WanTransformer3DModel.forward itself, called once
 per block and step (so FSDP2 and LoRA wrap it as they wrap the bidirectional Wan). forward_masked runs a
 whole sequence of frames at once under a frame-level mask instead of the cache (teacher-forced training:
-clean frames then noisy ones, streaming/toy_ar.py).
+clean frames then noisy ones, streaming/toy_ar.py). recache runs cached frames once more under a new prompt
+(LongLive's prompt switch, as KVPO releases it: kvpo/segments.py).
 
 Tested by: python -m pytest tests/test_wan_causal.py tests/test_layouts.py (generation from the cache
 equals one masked full forward of diffusers' stock model per block and step, inside the window and past
-it, for each layout)
+it, for each layout) tests/test_kvpo_release.py (the re-cache against one masked stock forward)
 """
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn

@@ -19,6 +19,9 @@ within_chunks = 7
 cache_frames = 33               # local_attn_size 12 + slice_last_frames 21
 release_reads = False           # route the planned frames (True: the release's reads, f + 3 once the cache rolls)
 switch_frames = (39, 75, 111)   # 4 prompt segments (switch_frame_indices, aligned to chunk starts)
+switch_recache = True           # recache_after_switch: the last 12 frames' keys and values under the new prompt
+prompt_story = True             # a video's 4 prompts a line (prompt_min_segments = prompt_max_segments = 4)
+train_prompts = 'prompts/stories.txt'  # released: vidprom_filtered_extended_switch_2.0_formatted.txt (not shipped)
 context_noise = 0.00498         # context_noise 0 on the 1000-step shift-5 grid: add_noise at sigma 5e-3 / 1.004
 tve_span = 'chunk'              # the replay: from the fork to the end of its chunk (6 blocks when the fork opens it)
 grad_steps = 2                  # log_prob_grad_steps
