@@ -4,7 +4,7 @@ no diffusers, no network, no weights, one output folder of at most 8 files): six
 its own time limit, all within `deadline` seconds (9 minutes; 9.5 with the install), in the order that
 answers the most important questions first.
 
-    bash bench/gpu_wheels.sh            # once, here: the pinned diffusers/transformers/peft wheels into .whl/
+    bash bench/gpu_wheels.sh            # once, here: the wheels the lent image lacks (bench/gpu_image.py) into .whl/
     # there: the device tool's run(carry=['.whl'], timeout_s=600, command=...), $OUT the folder that comes back
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out=$OUT
@@ -107,11 +107,11 @@ def summary(name, r):
         return (f"{r['params_b']}B through shard(), {rows}; rollout forward {s['rollout_s']} s, peak "
                 f"{s['rollout_peak_gib']} GiB (world 1)")
     if name == 'attention':
-        ran = [f"{x['backend']} {x['fwd_bwd_ms']:.1f} ms ({x['fwd_bwd_tflops']} TFLOP/s, diff "
-               f"{fmt(max(x['max_rel_diff'], x['max_rel_diff_grads']))}{'' if x['agrees'] else ' DISAGREES'})"
+        ran = [f"{x['backend']} {x['fwd_bwd_ms']:.1f} ms ({x['fwd_bwd_tflops']} TFLOP/s, errors "
+               f"{'/'.join(fmt(e) for e in x['errors'].values())}{'' if x['passes'] else ' FAILS'})"
                for x in r['rows'] if 'fwd_bwd_ms' in x]
-        return (f"{r['size']} ({r['tokens']['prompt']} tokens) fwd+bwd: {'; '.join(ran)}; fastest within "
-                f"{r['tolerance']} of native: {r.get('fastest')}")
+        return (f"{r['size']} ({r['tokens']['prompt']} tokens) fwd+bwd, out/dq/dk/dv errors against fp32: "
+                f"{'; '.join(ran)}; fastest within {r['gate']} and a micro-step: {r.get('fastest')}")
     if name == 'update':
         parts = []
         for k, e in r['at_54_blocks_8_ranks'].items():

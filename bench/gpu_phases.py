@@ -24,7 +24,7 @@ from bench.gpu_common import GiB, ROOT, clock, cuda, event_ms, latents, one_rank
     sync, text, transformer, transformer_config, video_tokens, clip
 
 OFFLINE = ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')  # the hub's switches: '1' where no network is
-WHEELS = ('diffusers', 'transformers', 'peft')  # the carried wheels (bench/gpu_wheels.sh)
+WHEELS = ('diffusers', 'transformers', 'peft')  # the carried wheels' roots (bench/gpu_image.ROOTS, gpu_wheels.sh)
 
 
 # ----------------------------------------------------------------------------- 0. environment

@@ -53,6 +53,8 @@ def unmet(carried):
 
 
 def test_every_requirement_of_the_carried_wheels_is_met_on_the_image():
+    from bench.gpu_phases import WHEELS
+    assert gpu_image.ROOTS == WHEELS  # what the env phase imports first
     carried = pins()
     assert unmet(carried) == []
     assert set(FORGOTTEN) <= set(carried)
