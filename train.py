@@ -203,7 +203,8 @@ def rollout(it, steps):
         text, text_neg = text_for(ps)
         def v(x, s):  # the guided velocity: classifier-free guidance's two branches in one forward
             return velocity(policy, x, s, text, cfg, text_neg)
-        _, trajectory = sde.rollout(v, x1, sigmas, sampler, eta, gens, steps, keep, preemption.point)
+        _, trajectory = sde.rollout(v, x1, sigmas, sampler, eta, gens, steps=steps, keep=keep,
+                                    boundary=preemption.point)  # the SDE at `steps`, ODE elsewhere
         records.append(trajectory)
     count_passes(run.passes, ('rollout',), device)
     return dict({k: torch.cat([r[k] for r in records]) for k in records[0]}, prompts=prompts)

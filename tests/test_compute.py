@@ -93,7 +93,7 @@ def test_sample_window_outside_is_ode_without_logp():
             assert torch.allclose(nxt, euler, rtol=0, atol=1e-6)
 
 
-# train.py with model.sample, sde.step and the loss pieces wrapped: per rank, each rollout's window, stds
+# train.py with sde.rollout, sde.step and the loss pieces wrapped: per rank, each rollout's window, stds
 # and log-probs, and each trained step's std (sde.step with grad) and the S_t scale applied to its
 # clipped term (per_clip / clipped: the KL term adds lambda_KL * KL, ~1e-7 of it here), written to
 # $RECORD_<rank>.json at exit
@@ -104,12 +104,12 @@ import sde
 from extras import diagnostics
 from models import policy
 log = dict(rollouts=[], losses=[])
-sample, step, add = policy.sample, sde.step, diagnostics.UpdateStats.add
+sample, step, add = sde.rollout, sde.step, diagnostics.UpdateStats.add
 seen = {}
-def sampled(*args, keep=False, window=None, **kw):  # the rollout keeps no stds at the defaults: asked for here
-    x, rec = sample(*args, keep=tuple(keep) + ('stds',) * ('stds' not in keep) if keep else keep, window=window, **kw)
+def sampled(*args, keep=(), steps=None, **kw):  # the rollout keeps no stds at the defaults: asked for here
+    x, rec = sample(*args, keep=tuple(keep) + ('stds',) * ('stds' not in keep) if keep else keep, steps=steps, **kw)
     if keep:
-        log['rollouts'].append(dict(window=list(window), stds=rec['stds'].tolist(), logps=rec['logps'].tolist()))
+        log['rollouts'].append(dict(window=list(steps), stds=rec['stds'].tolist(), logps=rec['logps'].tolist()))
         if 'stds' not in keep:
             del rec['stds']  # train.py gets what it asked for
     return x, rec
@@ -118,14 +118,14 @@ def stepped(*args, **kw):
     if torch.is_grad_enabled() and kw.get('x_next') is not None:  # a trained step (the anchor's has no grad)
         seen['std'] = out.std
     return out
-def added(self, loss, terms):  # the scale on the policy term: its PPO clipped term, written out here
+def added(self, loss, terms, *rest):  # the scale on the policy term: its PPO clipped term, written out here
     r, a = terms['ratio'], terms['adv']
     clipped = torch.maximum(-a * r, -a * r.clamp(1 - 1e-4, 1 + 1e-4))
     keep = clipped != 0  # a zero advantage carries no scale
     log['losses'].append(dict(std=seen['std'][keep].tolist(), scale=(terms['policy'] / clipped)[keep].tolist(),
                               rollout=len(log['rollouts']) - 1))
-    return add(self, loss, terms)
-policy.sample, sde.step, diagnostics.UpdateStats.add = sampled, stepped, added
+    return add(self, loss, terms, *rest)
+sde.rollout, sde.step, diagnostics.UpdateStats.add = sampled, stepped, added
 atexit.register(lambda: json.dump(log, open(os.environ['RECORD'] + '_' + os.environ.get('RANK', '0') + '.json', 'w')))
 sys.argv = sys.argv[1:]
 runpy.run_path('train.py', run_name='__main__')

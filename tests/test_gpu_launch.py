@@ -117,9 +117,9 @@ def recorded(monkeypatch):
             out.logp.register_hook(lambda g: grads.append(g.detach().clone()))
         return out
 
-    def added(self, loss, terms):
+    def added(self, loss, terms, *rest):
         seen.append((terms['adv'].detach().clone(), grads.pop(), terms['ratio'].detach().clone()))
-        return add(self, loss, terms)
+        return add(self, loss, terms, *rest)
     monkeypatch.setattr(sde, 'step', hooked)
     monkeypatch.setattr(diagnostics.UpdateStats, 'add', added)
     return seen

@@ -38,20 +38,26 @@ NAN_FROM = 2  # the step from which an injected clip's latents and log-probs are
 
 
 def nan_rollouts(monkeypatch, bad, seen=None):
-    """models.policy.sample with the rollout (a kept trajectory) of batch indices `bad` NaN from step
-    NAN_FROM on, as a bf16 overflow leaves it; seen: records each rollout's arguments and clean copy."""
-    inner = model.sample
+    """sde.rollout with the rollout (a kept trajectory) of batch indices `bad` NaN from step NAN_FROM on,
+    as a bf16 overflow leaves it; seen: records each rollout's arguments (the text and cfg of its
+    velocity's last forward) and clean copy."""
+    inner, inner_velocity, last = sde.rollout, model.velocity, {}
 
-    def sample(net, x, sigmas, text, cfg, text_neg, kind, eta, gens, *a, **kw):
-        x, traj = inner(net, x, sigmas, text, cfg, text_neg, kind, eta, gens, *a, **kw)
+    def velocity(net, x, s, text, cfg=1.0, text_neg=None):
+        last.update(text=text, text_neg=text_neg, cfg=cfg)
+        return inner_velocity(net, x, s, text, cfg, text_neg)
+
+    def rollout(v, x, sigmas, kind, eta, gens, *a, **kw):
+        x, traj = inner(v, x, sigmas, kind, eta, gens, *a, **kw)
         if traj is not None:
             if seen is not None:
-                seen.append(dict(traj={k: v.clone() for k, v in traj.items()}, text=text, text_neg=text_neg,
-                                 sigmas=sigmas, cfg=cfg, kind=kind, eta=eta))
+                seen.append(dict(traj={k: v.clone() for k, v in traj.items()}, sigmas=sigmas, kind=kind, eta=eta,
+                                 **last))
             for k in ('xs', 'logps'):
                 traj[k][bad, NAN_FROM:] = float('nan')
         return x, traj
-    monkeypatch.setattr(model, 'sample', sample)
+    monkeypatch.setattr(sde, 'rollout', rollout)
+    monkeypatch.setattr(model, 'velocity', velocity)
 
 
 def test_a_nan_clip_leaves_the_update_and_the_others_train(tmp_path, monkeypatch):
@@ -126,16 +132,16 @@ def test_a_nan_clip_leaves_the_update_and_the_others_train(tmp_path, monkeypatch
 
 WRAP = '''import os, runpy, sys
 sys.path.insert(0, {root!r})
-from models import policy
+import sde
 bad = {{int(k): v for k, v in {bad!r}.items()}}.get(int(os.environ.get('RANK', 0)), [])
-inner = policy.sample
-def sample(*a, **kw):
+inner = sde.rollout
+def rollout(*a, **kw):
     x, traj = inner(*a, **kw)
     if traj is not None:
         for k in ('xs', 'logps'):
             traj[k][bad, {nan_from}:] = float('nan')
     return x, traj
-policy.sample = sample
+sde.rollout = rollout
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''

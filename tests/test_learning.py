@@ -34,9 +34,9 @@ def scored(frames, prompts, fps=toy.FPS):
             v[int(os.environ['RECORD_NAN'])] = float('nan')
     log['rewards'].append(dict(prompts=list(prompts), **{k: v.tolist() for k, v in sc.items()}))
     return sc
-def recorded(self, loss, terms):  # each micro-batch of train.py's update: what its objective received
+def recorded(self, loss, terms, *rest):  # each micro-batch of train.py's update: what its objective received
     log['losses'].append(dict(adv=terms['adv'].tolist(), valid=terms['valid'].tolist()))
-    return add(self, loss, terms)
+    return add(self, loss, terms, *rest)
 toy.reward, diagnostics.UpdateStats.add = scored, recorded
 atexit.register(lambda: json.dump(log, open(os.environ['RECORD'] + '_' + os.environ.get('RANK', '0') + '.json', 'w')))
 sys.argv = sys.argv[1:]

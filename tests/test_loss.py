@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trust_region import gaussian_kl, output_grad_sq
+from trust_region import gaussian_kl, velocity_kl
 
 EPS = 1e-4  # clip range
 SOURCE = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'train.py')).read()
@@ -70,7 +70,8 @@ def call(logp, logp_old, adv, mean=None, mean_anchor=None, mean_old=None, std=No
         return SimpleNamespace(mean=mean_anchor, std=std, logp=None)  # the anchor's, under no_grad
     names = dict(torch=torch, policy_step=lambda clips, b, t: step(),
                  on_policy=on_policy,
-                 tr=SimpleNamespace(gaussian_kl=gaussian_kl, output_grad_sq=output_grad_sq),
+                 tr=SimpleNamespace(gaussian_kl=gaussian_kl, velocity_kl=velocity_kl),
+                 variants=SimpleNamespace(kl_estimator=kl_estimator, credit_of=lambda clips, b: None),
                  anchor=SimpleNamespace(applied=lambda policy: contextlib.nullcontext()), policy=None,
                  clip_range=EPS, device='cpu', kl_estimator=kl_estimator,
                  kl_pos_weight=beta_pos if mean_anchor is not None else 0.0,

@@ -54,6 +54,7 @@ sys.exit(rc)
 TRIGGER = '''
 import os, runpy, signal, sys, time
 sys.path.insert(0, os.getcwd())  # run as a file (torchrun takes no -c): the repository root
+import sde
 from extras import diagnostics
 from infra import preemption
 from models import evaluate, policy as model
@@ -73,8 +74,8 @@ def at_step(n, boundary):  # the sampler's boundary callback, with the signal be
     return b
 if os.environ['RANK'] == os.environ['PREEMPT_RANK']:
     if at == 'rollout':
-        inner = model.sample
-        model.sample = lambda *a, keep=False, boundary=None, **kw: inner(
+        inner = sde.rollout
+        sde.rollout = lambda *a, keep=(), boundary=None, **kw: inner(
             *a, keep=keep, boundary=at_step(2, boundary) if keep else boundary, **kw)
     if at == 'eval':
         inner_eval = evaluate.sample

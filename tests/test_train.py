@@ -430,13 +430,20 @@ def test_prompt_noise_and_kl_update_settings(tmp_path, monkeypatch):
     shape = toy.LATENT_SHAPE
     out = {}
     from models import policy as model
-    inner = model.sample
+    import sde
+    inner, inner_velocity, last = sde.rollout, model.velocity, {}
 
-    def recording(policy, x, sigmas, text, *args, keep=False, **kw):  # each rollout's embeddings and x_1
+    def velocity(net, x, s, text, *a, **kw):  # the text of the last forward
+        last['text'] = text
+        return inner_velocity(net, x, s, text, *a, **kw)
+
+    def recording(v, x, *args, keep=(), **kw):  # each rollout's embeddings and x_1
+        out = inner(v, x, *args, keep=keep, **kw)
         if keep:  # rollouts, not the ODE evaluation
-            calls.append((text[0].clone(), x.clone()))
-        return inner(policy, x, sigmas, text, *args, keep=keep, **kw)
-    monkeypatch.setattr(model, 'sample', recording)
+            calls.append((last['text'][0].clone(), x.clone()))
+        return out
+    monkeypatch.setattr(sde, 'rollout', recording)
+    monkeypatch.setattr(model, 'velocity', velocity)
     for noise, cadence in (('fixed', 'backward'), ('fresh', 'step')):
         calls, d = [], str(tmp_path / noise)
         run_here(monkeypatch, SMALL + [f'--out_dir={d}', '--max_iters=2', f'--train_prompts={csv}',

@@ -94,19 +94,19 @@ def test_update_and_rollout_hold_only_what_they_need(tmp_path, monkeypatch):
     # the decoded frames and the per-batch rollout records are gone from train.py's namespace
     from extras import diagnostics
     from models import policy as model
-    seen, inner_sample, inner_stats = [], model.sample, diagnostics.UpdateStats.__init__
+    import sde
+    seen, inner_sample, inner_stats = [], sde.rollout, diagnostics.UpdateStats.__init__
 
-    def sample(policy, *a, **kw):
+    def sample(*a, **kw):  # every sampling call: rollouts (train.py) and evaluation (policy.sample)
+        policy = sys.modules['__main__'].__dict__['policy']  # train.py's (runpy runs it as __main__)
         seen.append(('grads', sum(p.grad is not None for p in policy.parameters() if p.requires_grad)))
-        return inner_sample(policy, *a, **kw)
+        return inner_sample(*a, **kw)
 
     def stats(self, *a):
         g = sys._getframe(1).f_globals  # train.py's
         seen.append(('kept', [k for k in ('records', 'trajectory', 'frames', 'latents') if k in g]))
         return inner_stats(self, *a)
-    from models import evaluate  # imported once per process: it holds its own name of model.sample
-    monkeypatch.setattr(model, 'sample', sample)
-    monkeypatch.setattr(evaluate, 'sample', sample)
+    monkeypatch.setattr(sde, 'rollout', sample)
     monkeypatch.setattr(diagnostics.UpdateStats, '__init__', stats)
     run_here(monkeypatch, ARGS + ['--rollout_batch=4', '--max_iters=2', '--diag_every=1', '--eval_samples=1',
                                   f'--eval_prompts={eval_prompts(tmp_path)}', f'--out_dir={tmp_path / "probe"}'])
