@@ -1,15 +1,15 @@
 """
-SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an SDE whose noise is
-its rate integrated over each step, sde.py; a temporal gradient equalizer, equalizer.py) and a dual
-trust region (trust_region.py). What the defaults make of the objective: one optimizer step per
-rollout batch, so theta == theta_old all through the update, the ratio is 1, the PPO clip never acts
-and the exact velocity KL (the policy's transition means vs the rollout policy's) is 0: the objective
-is REINFORCE with each step's term weighted by the equalizer's S_t, plus lambda_KL times the position
-KL (the policy's transition means vs a moving anchor's), and lambda_KL follows the paper's printed
-rule, which *relaxes* the penalty when the KL is high (docs/method.md 4.6, 5.5).
-One iteration is the loop at the bottom, each phase a function above it. The released code's switches
-and the add-ons are off here and act at named seams (extras/variants.py, its own settings); the
-machinery (ranks, checkpoints, evaluation, logs) is in infra/, models/ and extras/, one call each.
+SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an SDE whose noise
+is its rate integrated over each step, sde.py; a temporal gradient equalizer, equalizer.py) and a
+dual trust region (trust_region.py). What the defaults make of the objective: one optimizer step
+per rollout batch, so theta == theta_old all through the update, the ratio is 1, the PPO clip
+never acts and the exact velocity KL (the policy's transition means vs the rollout policy's) is 0:
+the objective is REINFORCE with each step's term weighted by the equalizer's S_t, plus lambda_KL
+times the position KL (the policy's transition means vs a moving anchor's), and lambda_KL follows
+the paper's printed rule, which *relaxes* the penalty when the KL is high (docs/method.md 4.6, 5.5).
+One iteration is the loop at the bottom, each phase a function above it. The released code's
+switches and the add-ons are off and act at named seams (extras/variants.py, with their settings);
+the machinery (ranks, checkpoints, evaluation, logs) is one call each into infra/, models/, extras/.
 
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
@@ -75,7 +75,7 @@ num_frames = 81                 # frames per video
 height = 352                    # rollout resolution (the paper trains at 352x624)
 width = 624
 fps = 24                        # frame rate of the decoded videos (the reward samples at 2 fps)
-reward_model = 'videoalign'     # models/videoalign.py REWARDS: 'videoalign' (frozen) | 'world' (the toy's)
+reward_model = 'videoalign'     # models/videoalign.py REWARDS: 'videoalign' | 'world' (the toy's)
 videoalign_dir = 'weights/VideoReward'     # hf download KwaiVGI/VideoReward --local-dir ...
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'  # hf download Qwen/Qwen2-VL-2B-Instruct ...
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
@@ -83,7 +83,7 @@ experts = 'both'                # Wan 2.2 A14B's experts that train: 'both' | 'h
 gradient_checkpointing = True   # recompute block activations in backward
 attention = 'valid_tokens'      # the blocks' attention: padding left out (models/attention.py)
 attention_backend = 'native'    # diffusers' attention backend: 'native', '_native_flash', ...
-# evaluation, the reward-hacking alarm, the diagnostics (models/evaluate.py, extras/)
+# evaluation and the reward-hacking alarm (models/evaluate.py)
 eval_every = 25                 # iterations between held-out evaluations (and at start and end)
 eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
 eval_samples = 1                # ODE samples (seeds) per held-out prompt
@@ -93,34 +93,24 @@ clip_dir = 'weights/clip-vit-large-patch14'  # hf download openai/clip-vit-large
 pickscore_dir = 'weights/PickScore_v1'       # hf download yuvalkirstain/PickScore_v1 ...
 alarm_z = 2.0                   # reward-hacking alarm: standard errors a watcher must move
 hack_stop = False               # at the reward-hacking alarm: checkpoint and stop
-diag_every = 0                  # iterations between one clip's 4-pass gradient norms (0: never)
-ratio_every = 0                 # iterations between the batch's KL/policy gradient ratio (0: never)
-# scale and plumbing
+# scale (the plumbing's settings: infra/parallel.py, infra/rundir.py, extras/diagnostics.py)
 out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, prompt cache
 init_from = 'auto'              # 'auto': continue out_dir's run, else new | 'scratch' | 'resume'
 max_iters = 300                 # rollout batches
 prompts_per_iter = 8            # prompts per rollout batch, over all ranks
 rollout_batch = 4               # videos per forward in rollouts and evaluation (per rank)
 train_batch = 1                 # videos per forward+backward in the update (per rank)
-save_every = 50                 # iterations between checkpoints (and after the first, at the end, on SIGTERM)
-save_every_min = 30.0           # minutes of wall clock between checkpoints too (0: by count only)
-keep_checkpoints = 2            # newest checkpoints kept in out_dir
-export_dtype = 'bfloat16'       # the last checkpoint exported to out_dir/export; '' for none
-nonfinite_stop = 3              # optimizer steps skipped in a row (NaN gradient) that stop a run
-wandb_project = ''              # also log to this wandb project ('': none; wandb installed)
+save_every = 50                 # iterations between checkpoints (also: after the first, at the end)
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks of a node sharing one video's tokens (infra/sp.py)
-shard_size = 0                  # ranks a weight is sharded over (HSDP; 0: a node's ranks)
-dist_timeout = 10.0             # minutes a collective waits: a dead or hung rank ends the job
-solo_timeout = 60.0             # minutes the ranks wait for rank 0 alone (load, cache, export)
 seed = 0
-config = configure(globals(), sections=(variants,),
+config = configure(globals(), sections=(variants, parallel, rundir, diagnostics),
                    rules=rules(sde, eq, tr, tvrl, metrics, attention_lib, videoalign, variants))
 variants.check()
 # -----------------------------------------------------------------------------
 
 # distributed setup: torchrun's environment, or one plain process (infra/parallel.py)
-ddp, rank, world, device = parallel.init(device, dist_timeout)  # expandable_segments before CUDA starts
+ddp, rank, world, device = parallel.init(device, parallel.dist_timeout)  # before CUDA starts
 master = rank == 0
 quiet = print if master else lambda m: None
 quiet(json.dumps(config, indent=1))
@@ -128,7 +118,7 @@ quiet(parallel.allocator_line(device))  # the allocator settings torch reports
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
 # this rank's videos (global indices video_ids, the same over an sp group), its data-parallel place
 shard_size, dp_rank, dp_world, dp_group, video_ids = parallel.layout(
-    rank, world, shard_size, sp_size, sp_mesh, prompts_per_iter * group_size, log=quiet)
+    rank, world, parallel.shard_size, sp_size, sp_mesh, prompts_per_iter * group_size, log=quiet)
 n_local = len(video_ids)
 preemption = Preemption(rank, device)  # the first SIGTERM: a checkpoint at the next forward
 train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
@@ -144,21 +134,23 @@ fam = family(model)  # the model family's file: the interface in models/__init__
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): no weights read
 if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
     sp.check(sp_size, transformer_config(model), shape)
-reward_fn, manifold_distance = videoalign.load_reward(reward_model, videoalign_dir, qwen_dir, device, family=fam)
+reward_fn, manifold_distance = videoalign.load_reward(reward_model, videoalign_dir, qwen_dir, device,
+                                                      family=fam)  # the toy's: its own
 visual = metrics.load_watchers(eval_metrics, clip_dir, pickscore_dir)  # reward hacking's watchers
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
                                  set(train_list) | set(eval_list) | {negative_prompt},
-                                 encode_prompts, device, master, solo_timeout)
-policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, solo_timeout=solo_timeout,
-                     checkpointing=gradient_checkpointing, attention=attention,
-                     backend=attention_backend, experts=experts,
-                     mesh=parallel.fsdp_mesh(world, shard_size, device) if ddp else None)
+                                 encode_prompts, device, master, parallel.solo_timeout)
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
+                     attention=attention, backend=attention_backend, experts=experts,
+                     mesh=parallel.fsdp_mesh(world, shard_size, device) if ddp else None,
+                     solo_timeout=parallel.solo_timeout)
 if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards over its own mesh)
     sp.enable(policy, sp_mesh, fam.cp_plan(policy))
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
 anchor = tr.Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
-controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target, warmup=kl_warmup,
-                             direction=kl_direction, ratio_target=variants.kl_ratio_target)
+controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target,
+                             warmup=kl_warmup, direction=kl_direction,
+                             ratio_target=variants.kl_ratio_target)  # lambda_KL
 kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  # 0: a term off
 decode = load_decoder(model, device)
 score_fn = variants.scorer(reward_fn, reward_weights, shape)  # reward_fn (tvrl: and its credit)
@@ -166,14 +158,14 @@ sigmas = sde.sigmas(num_steps, shift).to(device)  # (N + 1,) from 1.0 to 0.0
 stochastic_steps = sde.stochastic_steps(sampler, sigmas, eta)  # only they have noise and train
 n_train = max(1, round(timestep_fraction * len(variants.window(stochastic_steps, 0))))
 on_policy = updates_per_iter == 1  # every micro-batch's forward is at theta_old (step_loss)
-nonfinite = diagnostics.NonFinite(nonfinite_stop, out_dir)  # skips a NaN step; a few in a row stop
+nonfinite = diagnostics.NonFinite(rundir.nonfinite_stop, out_dir)  # skips NaN steps; a row stops
 
 # the run's state: new, or from out_dir's newest intact checkpoint (each rank reads its shards)
 alarm = Alarm(alarm_z)  # compares each evaluation with the base model's (iteration 0)
-run = rundir.Run(out_dir, keep_checkpoints, policy, optimizers, anchor, PASS_KINDS,
+run = rundir.Run(out_dir, rundir.keep_checkpoints, policy, optimizers, anchor, PASS_KINDS,
                  dict(world=world, config=config), controller=controller, alarm=alarm)
 run.resume(ckpts, log=quiet)  # run.iter_num, .opt_steps, .passes (all ranks'), .eval_owed
-text_for = functools.partial(guided_text, text_cache, negative=negative_prompt, device=device)  # (text, text_neg)
+text_for = functools.partial(guided_text, text_cache, negative=negative_prompt, device=device)
 evaluate = HeldOut(eval_list, eval_samples, seed=seed, cfg=cfg, shape=shape, text_for=text_for,
                    sigmas=sde.sigmas(eval_steps or num_steps, shift).to(device), fps=fps,
                    batch=rollout_batch, decode=decode, reward_fn=reward_fn, passes=run.passes,
@@ -185,14 +177,15 @@ evaluate = HeldOut(eval_list, eval_samples, seed=seed, cfg=cfg, shape=shape, tex
 # ----------------------------------------------------------------------------- the phases
 def trained_steps(it):
     """This iteration's stochastic steps (every one: they all train), and S_t of each step (N,)."""
-    steps = variants.window(stochastic_steps, seed_of(seed, 'window', it))  # sde_window: a window of them
-    s_t = eq.scales(sampler, sigmas, eta, variants.median, steps) if equalizer else torch.ones(num_steps)
+    steps = variants.window(stochastic_steps, seed_of(seed, 'window', it))  # sde_window: a window
+    s_t = eq.scales(sampler, sigmas, eta, variants.median, steps) if equalizer else \
+        torch.ones(num_steps)
     return steps, s_t.to(device)
 
 def rollout(it, steps):
     """G videos of each of the iteration's prompts, x_1 ~ N(0, I) down to x_0 by the SDE at `steps`:
-    of every step the latent 'xs' (n, N+1, C, F, h, w) and the log-prob 'logps' (n, N) (the log's drift
-    figure only, at the defaults: docs/method.md 4.6). Every draw has its own seed."""
+    of every step the latent 'xs' (n, N+1, C, F, h, w) and the log-prob 'logps' (n, N) (the log's
+    drift figure only, at the defaults: docs/method.md 4.6). Every draw has its own seed."""
     chosen = prompt_cache.choose(len(train_list), prompts_per_iter, seed_of(seed, 'prompts', it))
     prompts, records = [train_list[chosen[i // group_size]] for i in video_ids], []
     keep = ('xs', 'logps') + variants.rollout_keeps(on_policy)
@@ -210,7 +203,7 @@ def rollout(it, steps):
     return dict({k: torch.cat([r[k] for r in records]) for k in records[0]}, prompts=prompts)
 
 def score(videos, steps):
-    """Decode and score the videos, each once (an sp group divides them): {'VQ', 'MQ', 'TA', ...: (n,)}.
+    """Decode and score the videos, each once (an sp group divides them): {'VQ', 'MQ', 'TA': (n,)}.
     A video whose rollout went NaN or inf scores NaN and leaves the update (infra/finite.py)."""
     def scored(idx):  # frames (n, F, 3, H, W) in [0, 1]
         frames = torch.cat([decode(x) for x in videos['xs'][idx, -1].split(rollout_batch)])
@@ -221,8 +214,8 @@ def score(videos, steps):
     return scores
 
 def advantages(scores):
-    """GRPO advantages of this rank's videos (n,), each over its whole group (groups may span ranks),
-    and which videos count (n,): a NaN reward drops its video; and the batch's rewards for the log."""
+    """GRPO advantages of this rank's videos (n,), each over its whole group (groups may span
+    ranks), and which videos count (n,): a NaN reward drops its video; the batch's rewards (the log)."""
     c = torch.stack([scores[k] for k in reward.DIMS], 1).float().to(device)  # (n, 3)
     c = parallel.gather(c, dp_group).view(prompts_per_iter, group_size, -1)  # (P, G, 3) all ranks'
     r = reward.combine(dict(zip(reward.DIMS, c.unbind(-1))), reward_weights)  # (P, G)
@@ -242,8 +235,8 @@ def policy_step(videos, b, t):
                     weight=variants.credit_of(videos, b))  # tvrl's per-token weights; off: the mean
 
 def step_loss(videos, b, t, s_t, lam, denom):
-    """The objective of local videos b (a list) at their trained steps t (n,), docs/method.md sections
-    4 and 5: the loss to backward, and its per-video terms (n,)."""
+    """The objective of local videos b (a list) at their trained steps t (n,), docs/method.md
+    sections 4 and 5: the loss to backward, and its per-video terms (n,)."""
     kl_pos = kl_vel = torch.zeros(len(b), device=device)
     if kl_pos_weight:  # the anchor's forward first and without grad: its in-place weight swap must
         with torch.no_grad(), anchor.applied(policy):  # not fall between a forward and its backward
@@ -262,37 +255,37 @@ def step_loss(videos, b, t, s_t, lam, denom):
     policy_term = s_t[t] * torch.maximum(-adv * ratio, -adv * clipped)          # (n,)
     if kl_pos_weight:
         kl_pos = tr.gaussian_kl(new.mean, mean_anchor, new.std)          # position: to the anchor
-    if kl_vel_weight:  # velocity: to the rollout policy (kl_estimator='sample': the released estimate)
+    if kl_vel_weight:  # velocity: to the rollout policy (kl_estimator='sample': the released one)
         kl_vel = tr.velocity_kl(new, mean_old, logp_old, variants.kl_estimator)
     kl = kl_pos_weight * kl_pos + kl_vel_weight * kl_vel                      # (n,) the strategy's
-    valid = videos['valid'][b]  # a NaN-reward video drops out whole: where(), as 0 * NaN would leak in
+    valid = videos['valid'][b]  # a NaN-reward video drops out whole: where(), 0 * NaN would leak in
     loss = torch.where(valid > 0, policy_term + lam * kl, 0.0).sum() / denom
-    return loss, dict(policy=policy_term, kl=kl, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio, adv=adv,
-                      valid=valid, logp=new.logp)
+    return loss, dict(policy=policy_term, kl=kl, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio,
+                      adv=adv, valid=valid, logp=new.logp)
 
 def recompute_old(videos, order, micro_batches, stats):
-    """updates_per_iter > 1 only: the old log-probs and means at theta_old, recomputed in the update's
-    batch shape, so the ratio measures the policy's move, not another shape's rounding (4.6)."""
+    """updates_per_iter > 1 only: the old log-probs and means at theta_old, recomputed in the
+    update's batch shape, so the ratio measures the policy's move, not another shape's rounding."""
     with torch.no_grad():
         for b, k in micro_batches(list(range(n_local))):
             old, t = policy_step(videos, b, order[b, k]), order[b, k]
-            if any(videos['finite'][i] for i in b):  # else a stand-in: it only joins FSDP's passes
+            if any(videos['finite'][i] for i in b):  # else a stand-in: it joins FSDP's passes
                 stats.drifted((old.logp - videos['logps'][b, t]).abs())
                 videos['logps'][b, t], videos['means'][b, t] = old.logp, old.mean
     count_passes(run.passes, ('old',), device)
 
 def update(videos, batch, steps, s_t):
     """Every trained step of every video (a random order each) in updates_per_iter optimizer steps:
-    the losses' backward, the gradient clip, the step, lambda_KL, the anchor; what the log shows of it."""
+    the losses' backward, the gradient clip, the step, lambda_KL, the anchor; the log's figures."""
     order = torch.stack([torch.tensor(steps)[torch.randperm(len(steps), generator=torch.Generator()
                          .manual_seed(seed_of(seed, 'order', run.iter_num, i)))[:n_train]]
                          for i in video_ids])  # (n, n_train) the trained steps of each video
     stats = diagnostics.UpdateStats(max(1, sum(videos['finite'])) * n_train, clip_range, on_policy)
-    split = diagnostics.GradientSplit(optimizers, ratio_every and run.iter_num % ratio_every == 0
+    split = diagnostics.GradientSplit(optimizers, diagnostics.ratio_due(run.iter_num)
                                       or variants.kl_ratio_target > 0)  # the KL/policy ratio: off
-    def micro_batches(ids):  # (train_batch videos, one of their steps): every rank runs the same passes
-        return preemption.points(tqdm(finite.micro_batches(ids, videos['finite'], train_batch, n_train),
-                                      'update', disable=not master, leave=False))
+    def micro_batches(ids):  # (train_batch videos, one of their steps); every rank runs the same passes
+        batches = finite.micro_batches(ids, videos['finite'], train_batch, n_train)
+        return preemption.points(tqdm(batches, 'update', disable=not master, leave=False))
     if not on_policy:  # updates_per_iter > 1 only
         recompute_old(videos, order, micro_batches, stats)
     for chunk in [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]:
@@ -306,10 +299,10 @@ def update(videos, batch, steps, s_t):
             loss, terms = step_loss(videos, b, order[b, j], s_t, controller.value, denom)
             split.backward(loss, terms, denom)  # loss.backward(); on a cadence, the two terms apart
             kl = terms['kl'][terms['valid'] > 0].mean().item() if terms['valid'].any() else None
-            kls += [kl] if kl is not None else []
+            kls += [kl] if kl is not None else []  # a stand-in's videos are not valid: none
             stats.add(loss, terms, videos['logps'][b, order[b, j]])
             variants.lambda_after_backward(controller, kl)  # kl_update='backward' (released): off
-        r1 = split.measure(controller.value)  # ||KL term's gradient|| / ||policy's|| at lambda 1; off
+        r1 = split.measure(controller.value)  # |KL term's gradient| / |policy's| at lambda 1; off
         norm = clip_grad_norm(optimizers, grad_clip)  # in place; the norm of all ranks' shards
         stats.stepped(norm, updates_per_iter, split.logged)
         skipped = nonfinite(norm, run.iter_num + 1)  # NaN or inf: no step, so no NaN weight
@@ -329,20 +322,20 @@ def update(videos, batch, steps, s_t):
 def gradient_norms(it, videos, steps, s_t):
     """Every diag_every iterations (off by default): one clip's gradient norms at its first and last
     trained step, with and without S_t, and its KL/policy ratio (extras/diagnostics.py, 4 passes)."""
-    if not diag_every or it % diag_every:
+    if not diagnostics.diag_due(it):
         return {}
-    def terms_at(t):  # a fresh forward of video 0 at step t
-        return step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
-    norms = diagnostics.gradient_norms(terms_at, steps, s_t, controller.value, (kl_pos_weight, kl_vel_weight),
-                                       optimizers, world if dp_rank == 0 else 0, preemption.point)
-    count_passes(run.passes, ('diag_anchor', 'diag'), device)  # world: dp rank 0's gradient, FSDP-averaged
+    norms = diagnostics.gradient_norms(  # of dp rank 0's clip 0, whose gradient FSDP averaged: x world
+        lambda t: step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1], steps, s_t,
+        controller.value, (kl_pos_weight, kl_vel_weight), optimizers, world if dp_rank == 0 else 0,
+        preemption.point)
+    count_passes(run.passes, ('diag_anchor', 'diag'), device)
     return norms
 
 def log_iteration(scores, batch, row, diag, times):
     """metrics.jsonl's row of the iteration, and its line on the console."""
-    log(dict(iter=run.iter_num, **diagnostics.reward_row(batch, reward.DIMS), **row,
-             **variants.credit_row(scores, device), **diag, **{f'passes_{k}': n for k, n in run.passes.items()},
-             **times, **parallel.peak_memory(device)))
+    log(dict(iter=run.iter_num, **diagnostics.reward_row(batch, reward.DIMS), **row, **diag, **times,
+             **variants.credit_row(scores, device), **{f'passes_{k}': n for k, n in run.passes.items()},
+             **parallel.peak_memory(device)))
 
 def held_out(it):
     """Evaluate, watch, log; a stop meanwhile checkpoints, and this evaluation is owed on resume."""
@@ -361,7 +354,7 @@ def checkpoint_or_stop(it):
     minutes, at the end, on a stop request (SIGTERM: every rank asks once an iteration) and at a
     tripped alarm with hack_stop. True: the run stops here."""
     stop, halt = preemption.requested(device), hack_stop and alarm.tripped is not None
-    if cadence.due(it) or it == max_iters or stop or halt:  # due() first: a collective on every rank
+    if cadence.due(it) or it == max_iters or stop or halt:  # due() first: a collective, every rank
         run.save()
     if stop and master:
         print(f'preempted: checkpoint of iteration {it} written; the same command continues')
@@ -370,11 +363,11 @@ def checkpoint_or_stop(it):
 # ----------------------------------------------------------------------------- training loop
 if master:  # once everything has loaded: a run that fails to start leaves out_dir as it was
     rundir.record(out_dir, history, config, run.iter_num, world, run.eval_owed)  # config.json
-log = rundir.Log(out_dir, master, wandb_project, config)  # metrics.jsonl, the console, wandb
+log = rundir.Log(out_dir, master, rundir.wandb_project, config)  # metrics.jsonl, the console, wandb
 if run.eval_owed:  # the base model's, or an evaluation a stop cut short
     held_out(run.iter_num)
 policy.train()
-cadence = rundir.Cadence(save_every, save_every_min, device)  # its clock starts here, as every rank's
+cadence = rundir.Cadence(save_every, rundir.save_every_min, device)  # the clock starts, every rank's
 while run.iter_num < max_iters:
     it, t0 = run.iter_num, time.time()
     parallel.reset_peak_memory(device)  # the logged peaks are this iteration's
@@ -388,13 +381,14 @@ while run.iter_num < max_iters:
     diag = gradient_norms(it, videos, steps, s_t)   # one clip's 4-pass gradient norms: off
     row = update(videos, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
     run.iter_num = it = it + 1
-    log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1, t_update=time.time() - t2))
+    log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1,
+                                                 t_update=time.time() - t2))
     if (eval_every and it % eval_every == 0) or it == max_iters:
         held_out(it)                                # held-out ODE samples, watchers, the alarm
     if checkpoint_or_stop(it):
         break
-if export_dtype and run.iter_num == max_iters:  # the aligned model, in the ecosystem's format
-    export.final(out_dir, export_dtype, solo_timeout, master, fam.TRANSFORMER)
+if rundir.export_dtype and run.iter_num == max_iters:  # the aligned model, a diffusers directory
+    export.final(out_dir, rundir.export_dtype, parallel.solo_timeout, master, fam.TRANSFORMER)
 preemption.stepped()  # drops its run.save: nothing may hold the FSDP modules past here
 del policy, anchor, run  # their FSDP state holds the process group: freed before it is destroyed
 parallel.close()

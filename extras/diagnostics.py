@@ -29,6 +29,21 @@ from torch.distributed.tensor import DTensor
 from infra import parallel
 from infra.optimizer import zero_grad
 
+# ----------------------------------------------------------------------------- settings (train.py's, set as its own)
+diag_every = 0                  # iterations between one clip's 4-pass gradient norms (0: never)
+ratio_every = 0                 # iterations between the batch's KL/policy gradient ratio (0: never)
+# -----------------------------------------------------------------------------
+
+
+def diag_due(it):
+    """gradient_norms' cadence: every diag_every iterations (off at 0)."""
+    return bool(diag_every) and it % diag_every == 0
+
+
+def ratio_due(it):
+    """GradientSplit's cadence: every ratio_every iterations (off at 0)."""
+    return bool(ratio_every) and it % ratio_every == 0
+
 
 def reward_row(batch, dims):
     """The log's fields of an iteration's rewards, all ranks', from train.py's advantages: batch

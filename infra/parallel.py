@@ -49,6 +49,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# ----------------------------------------------------------------------------- settings (train.py's, set as its own)
+shard_size = 0                  # ranks a weight is sharded over (HSDP; 0: a node's ranks)
+dist_timeout = 10.0             # minutes a collective waits: a dead or hung rank ends the job
+solo_timeout = 60.0             # minutes the ranks wait for rank 0 alone (load, cache, export)
+# -----------------------------------------------------------------------------
+
 SEEN_WAIT = 5.0  # seconds a rank retries reading rank 0's token (a network filesystem's lookup delay)
 TIMEOUT = None   # init()'s collective timeout, given to the groups of every mesh (mesh())
 

@@ -35,6 +35,14 @@ import torch.distributed as dist
 
 from infra import checkpoint
 
+# ----------------------------------------------------------------------------- settings (train.py's, set as its own)
+save_every_min = 30.0           # minutes of wall clock between checkpoints too (0: by count only)
+keep_checkpoints = 2            # newest checkpoints kept in out_dir
+export_dtype = 'bfloat16'       # the last checkpoint exported to out_dir/export; '' for none
+nonfinite_stop = 3              # optimizer steps skipped in a row (NaN gradient) that stop a run
+wandb_project = ''              # also log to this wandb project ('': none; wandb installed)
+# -----------------------------------------------------------------------------
+
 LOCK = '.lock'
 CONFIG = 'config.json'
 LOG = 'metrics.jsonl'

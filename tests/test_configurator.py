@@ -131,8 +131,7 @@ FULLSIZE = [('gpus', [0], 1, 'at least 1'), ('clips', [0], 1, 'at least 1'), ('g
 OTHER = {'bench.gpu_check': [('blocks', [0], 1, 'at least 1'), ('phase_timeout', [0, -1], 1, 'greater than 0'),
                              ('width', [100], 16, 'multiple of 16')],
          'bench.rehearsal': [('blocks', [0], 1, 'at least 1'), ('num_frames', [8], 9, '1 + 4k')],
-         'bench.checkpoint': [('parts', ['checkpoint,disk'], 'prompts', "'checkpoint', 'prompts'")],
-         'bench.credit': [('repeats', [0], 1, 'at least 1')]}
+         'bench.checkpoint': [('parts', ['checkpoint,disk'], 'prompts', "'checkpoint', 'prompts'")]}
 
 
 def fmt(v):  # the command-line form of a value (strings stay bare words, tuples python literals)
