@@ -38,7 +38,10 @@ S = ['train.py', 'config/toy.py', '--prompts_per_iter=2', '--group_size=2', '--n
 
 
 def snapshot(out):
-    """Every file under out but the lock: relative path -> (sha1 of its bytes, mtime)."""
+    """Every file under out but the lock: relative path -> (sha1 of its bytes, mtime), once the deletes that
+    train.py run in this process left in the background (an old checkpoint renamed *.deleting, its files
+    going one by one) have finished: a walk meanwhile lists a file and then fails to open it."""
+    checkpoint.finish_deletes()
     files = {}
     for root, _, names in os.walk(out):
         for n in names:
