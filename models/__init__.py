@@ -37,6 +37,8 @@ OPTIONAL = {  # a world with an exact reward of its own (the toy) provides rewar
                 'without it every sample has cfg',
     'reward': "(frames, prompts, fps) -> {'VQ', 'MQ', 'TA', ...: (B,)}, the reward interface of reward.py",
     'manifold_distance': '(frames) -> (B,) distance of each clip to the data manifold',
+    'render': '(prompt, seed) -> a clean clip (F, 3, H, W) in [0, 1], the data: the reward-hacking alarm compares '
+              'its watchers with their values on these (models/evaluate.py)',
     'generate': '(transformer, noise, text, gens, cfg, text_neg) -> latents (B, C, F, h, w): a family that samples by itself '
                 '(streaming: block by block from a KV cache, streaming/__init__.py); sample.py and the held-out '
                 'evaluation call it in place of their sampler',

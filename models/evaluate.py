@@ -6,21 +6,27 @@ manifold; the means over all items. And the reward-hacking alarm that watches th
 
     evaluate = HeldOut(prompts, samples=2, ...)   # once, in train.py
     means = evaluate(policy, iter_num)             # {'VQ': ..., 'composite': ..., ...}; per item: evaluate.items
-    fields, line = alarm(iter_num, evaluate.items) # {'alarm': [...], 'watch_flagged': [...]}, 'alarm: ...' or None
+    alarm = Alarm(z=2.0)                           # once; its state travels in the checkpoints
+    fields, line = alarm(iter_num, evaluate.items, evaluate.reference(fam))  # the data's watchers, or None
+    # fields {'alarm': [...], 'watch_flagged': [...]} for metrics.jsonl, line 'alarm: ...' or None
 
-The alarm (docs/method.md section 9): every watcher (each score and frame statistic) is compared with the
-base model's (iteration 0) on the same items, paired, so its noise is the standard error of the per-item
-differences. At an evaluation where the composite rose beyond its noise, a watcher that moved its wrong
-way by more than `z` standard errors is flagged; flagged at two evaluations in a row, it trips the alarm.
+The alarm (docs/method.md section 9) reads each evaluation's means, as metrics.jsonl logs them. A watcher
+(each score and frame statistic) goes wrong by moving away from the data, where the world has some (`data`:
+the toy's clean renders of the held-out items, scored as the items are): its distance to the data's value
+grew from the base model's (iteration 0). Without data, it goes wrong by moving its WRONG way from the base
+model's, and its alarm line says so. A move counts beyond `z` standard errors of the base model's mean over
+the held-out items (its spread over the items / sqrt(n)): a shift that a fresh draw of items would tell,
+not merely one that the same items show. At an evaluation where the composite rose beyond its noise, a
+watcher that went wrong beyond its own is flagged; flagged at two evaluations in a row, it trips the alarm.
 
 Every rank runs the same number of forward batches (FSDP's collectives): the items are padded to a
 multiple of the data-parallel ranks, and the padding is dropped before the means; under sequence
 parallel the first rank of each group scores its clips. The means are taken in item order, so they
 do not depend on the world size.
 
-Tested by: python -m pytest tests/test_train_ranks.py (2 ranks vs 1 process, items that do not divide)
+Tested by: python -m pytest tests/test_alarm.py (the alarm's rule by hand, and replayed on recorded toy runs:
+bench/alarm.py), tests/test_train_ranks.py (2 ranks vs 1 process, items that do not divide)
 """
-import math
 import os
 
 import torch
@@ -34,9 +40,12 @@ from reward import combine
 
 DARK = 0.1   # luma below this is a dark pixel
 EDGE = 0.1   # a luma step to the next pixel above this is an edge
-LEVELS = 4   # colour histogram bins per channel (64 colours) of the colour entropy
-# the way each watcher goes wrong: -1 falling, +1 rising, 0 either way; a score not named here goes wrong falling
+LEVELS = 5   # colour histogram bins per channel (125 colours) of the colour entropy: odd, so mid-grey falls
+             # mid-bin (at an even count 0.5 is a bin edge: a grey of 0.5 +- 0.005 reads as 8 colours, 3 bits)
+# the way each watcher goes wrong where there is no data to compare with: -1 falling, +1 rising, 0 either way;
+# a score not named here goes wrong falling
 WRONG = dict(manifold=+1, brightness=0, saturation=0, dark=+1, edges=-1, entropy=-1, flicker=+1)
+WAY = {-1: 'falling', 1: 'rising', 0: 'either way'}  # WRONG's ways, as the alarm's line says them
 NOT_WATCHED = ('composite',)  # what the alarm compares the watchers against
 
 
@@ -50,7 +59,7 @@ def frame_stats(frames):
     codes = (f * LEVELS).long().clamp(max=LEVELS - 1)  # (B, F, 3, H, W) the bin of each channel
     codes = (codes[:, :, 0] * LEVELS + codes[:, :, 1]) * LEVELS + codes[:, :, 2]  # (B, F, H, W)
     p = torch.stack([torch.bincount(c.flatten(), minlength=LEVELS ** 3) for c in codes]).float()
-    p = p / p.sum(1, keepdim=True)  # (B, 64)
+    p = p / p.sum(1, keepdim=True)  # (B, LEVELS^3)
     per_frame = luma.mean((2, 3))  # (B, F)
     return dict(brightness=luma.mean((1, 2, 3)), saturation=(f.amax(2) - f.amin(2)).mean((1, 2, 3)),
                 dark=(luma < DARK).float().mean((1, 2, 3)),
@@ -59,47 +68,63 @@ def frame_stats(frames):
                 flicker=per_frame.diff(dim=1).abs().mean(1) if f.shape[1] > 1 else per_frame.new_zeros(len(f)))
 
 
+def means(rows):
+    """{name: mean over the items} of rows (one dict an item), an unscored item (NaN) left out: what
+    metrics.jsonl logs of an evaluation and what the alarm compares."""
+    return {k: torch.tensor([r[k] for r in rows]).nanmean().item() for k in rows[0]}
+
+
 class Alarm:
     """The reward-hacking alarm (the module docstring); state_dict() travels in the checkpoints."""
 
     def __init__(self, z=2.0):
-        self.z, self.base, self.flagged, self.tripped = z, None, [], None
+        self.z, self.base, self.flagged, self.tripped = z, None, [], None  # base: the base model's items
         self.last = self.kept = None  # the previous evaluation's iteration; when tripped, the one to keep
 
-    def paired(self, items, k):
-        """(base mean, now mean, standard error of the mean per-item difference) of watcher k."""
-        pairs = [(b[k], r[k]) for b, r in zip(self.base, items) if math.isfinite(b[k]) and math.isfinite(r[k])]
-        if len(pairs) < 2:
-            return float('nan'), float('nan'), float('nan')
-        d = torch.tensor([r - b for b, r in pairs], dtype=torch.float64)
-        return (sum(b for b, _ in pairs) / len(pairs), sum(r for _, r in pairs) / len(pairs),
-                (d.std() / len(d) ** 0.5).item())
+    def noise(self, k):
+        """The standard error of the base model's mean of watcher k over its scored items."""
+        v = torch.tensor([r[k] for r in self.base], dtype=torch.float64)
+        v = v[v.isfinite()]
+        return (v.std() / len(v) ** 0.5).item() if len(v) > 1 else float('nan')
 
-    def __call__(self, iter_num, items):
+    def __call__(self, iter_num, items, data=None):
         """({'alarm': the watchers that trip it now, 'watch_flagged': those beyond their noise now}, the
-        console line or None). The first call of a run that began at iteration 0 keeps the base model's."""
-        last, self.last = self.last, iter_num
+        console line or None). data: the watchers' values on the data ({name: value}), or None. The first
+        call of a run that began at iteration 0 keeps the base model's items."""
         if self.base is None:
-            self.base = items if iter_num == 0 else None
+            self.base, self.last = (items if iter_num == 0 else None), iter_num
             return dict(alarm=[], watch_flagged=[]), None
-        stats = {k: self.paired(items, k) for k in items[0] if k in self.base[0]}
-        before, now, se = stats['composite']
-        flagged = []
-        if now - before > self.z * se:  # the composite rose beyond its noise: did something pay for it?
-            for k, (b, n, e) in stats.items():
+        return self.look(iter_num, means(items), data)
+
+    def look(self, iter_num, now, data=None):
+        """__call__'s answer at an evaluation whose means are now ({name: mean}, as logged): a recorded
+        run's evaluations replay through it (bench/alarm.py)."""
+        last, self.last = self.last, iter_num
+        base, data = means(self.base), data or {}
+        away = {}  # how far each watcher went its wrong way since the base model's evaluation
+        for k in [k for k in base if k in now and k not in NOT_WATCHED]:
+            if k in data:  # further from the data than the base model was: past it, or away on its own side
+                away[k] = abs(now[k] - data[k]) - abs(base[k] - data[k])
+            else:  # no data: WRONG's way from the base model
                 way = WRONG.get(k, -1)
-                moved = (n - b) * way if way else abs(n - b)
-                if k not in NOT_WATCHED and moved > self.z * e:  # NaN (unscored) compares False
-                    flagged.append(k)
+                away[k] = (now[k] - base[k]) * way if way else abs(now[k] - base[k])
+        flagged = []
+        if now['composite'] - base['composite'] > self.z * self.noise('composite'):  # did something pay for it?
+            flagged = [k for k in away if away[k] > self.z * self.noise(k)]  # NaN (unscored) compares False
         tripped = [k for k in flagged if k in self.flagged]  # flagged at two evaluations in a row
         self.flagged = flagged
         if not tripped:
             return dict(alarm=[], watch_flagged=flagged), None
         self.tripped = self.tripped or iter_num
         self.kept = last
-        line = (f'alarm: iteration {iter_num}: composite {before:.4f} -> {now:.4f} while '
-                + ', '.join(f'{k} {stats[k][0]:.4f} -> {stats[k][1]:.4f} (SE {stats[k][2]:.4f})' for k in tripped)
-                + ' (against the base model, paired over the held-out items, at two evaluations in a row)')
+
+        def said(k):  # base -> now, what it was judged against, its noise
+            ref = (f'data {data[k]:.4f}' if k in data
+                   else f'{WAY[WRONG.get(k, -1)]} against the base model, not the data')
+            return f'{k} {base[k]:.4f} -> {now[k]:.4f} ({ref}; SE {self.noise(k):.4f})'
+        line = (f"alarm: iteration {iter_num}: composite {base['composite']:.4f} -> {now['composite']:.4f} while "
+                + ', '.join(said(k) for k in tripped)
+                + f" (beyond {self.z:g} SE of the base model's mean, at two evaluations in a row)")
         return dict(alarm=tripped, watch_flagged=flagged), line
 
     def announce(self, iter_num, line, out_dir, hack_stop):
@@ -108,10 +133,9 @@ class Alarm:
         kept = checkpoint.pin(out_dir, self.kept, f'the last evaluation before the alarm of {iter_num}')
         print(line + (f'; {kept} is kept' if kept else '') + ('; hack_stop: stopping' if hack_stop else ''))
 
-    def summary(self, means):
-        """'eval composite before <the base model's> -> after <means'>': the run's last line."""
-        before = torch.tensor([r['composite'] for r in self.base]).nanmean().item()
-        return f"eval composite before {before:.4f} -> after {means['composite']:.4f}"
+    def summary(self, now):
+        """'eval composite before <the base model's> -> after <now's>': the run's last line."""
+        return f"eval composite before {means(self.base)['composite']:.4f} -> after {now['composite']:.4f}"
 
     def state_dict(self):
         return dict(base=self.base, flagged=self.flagged, tripped=self.tripped, last=self.last)
@@ -139,6 +163,7 @@ class HeldOut:
                  leads, passes, preemption, device):
         self.__dict__.update(locals())
         del self.__dict__['self']
+        self.data = None  # the watchers on the data (reference()), once computed
 
     def __call__(self, policy, iter_num, save_on_stop):
         """Mean scores of the current policy; save_on_stop: preemption's checkpoint for a stop meanwhile."""
@@ -173,7 +198,20 @@ class HeldOut:
         count_passes(self.passes, ('eval',), self.device)
         policy.train()
         self.move_visual(self.visual, 'cpu')
-        return {k: torch.tensor([r[k] for r in rows]).nanmean().item() for k in rows[0]}  # NaN: unscored video
+        return means(rows)  # NaN: unscored video
+
+    def reference(self, fam):
+        """The watchers on the data, {name: mean over the items}, for the alarm: each held-out item's prompt
+        rendered clean by a family that can (models/__init__.py OPTIONAL: the toy's render(prompt, i)) and
+        scored as the items are; None for a world without data (a real model's). Computed once, whole on
+        every rank: it is small where it exists."""
+        if self.data is None and hasattr(fam, 'render'):
+            prompts = [self.prompts[i % len(self.prompts)] for i in range(len(self.prompts) * self.samples)]
+            frames = torch.stack([fam.render(p, i) for i, p in enumerate(prompts)])  # (items, F, 3, H, W)
+            sc = watched(frames, prompts, self.fps, self.reward_fn, self.reward_weights, self.manifold_distance,
+                         self.visual)
+            self.data = means([{k: float(v[j]) for k, v in sc.items()} for j in range(len(prompts))])
+        return self.data
 
     def score(self, x, prompts):
         """One dict of floats per clip of latents x (B, C, F, h, w)."""

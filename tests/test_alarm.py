@@ -1,22 +1,26 @@
 """
-The reward-hacking alarm (models/evaluate.py: Alarm, frame_stats; docs/method.md section 9) on made-up
-held-out items whose answer is known, the frame statistics against counts by hand, and the pinned
-checkpoint that no rotation removes. What a failure would show: an alarm that fires on one evaluation, on
-a falling composite, on a watcher moving its harmless way or on NaN; a statistic off its definition; the
-checkpoint before an alarm rotated away. Slips each test below fails on: a standard error over n (or the
-population std, or unpaired), a score with no declared wrong way flagged rising, an item unscored now
-that makes the watcher NaN, a held-out composite at Setting B in a Setting A run, luma weights swapped or
-grey in place of luma, the previous evaluation lost at a resume, the oldest or an earlier checkpoint
-pinned. The alarm on the toy's headline run: tests/test_headline.py; its state across train.py's resume:
-tests/test_train_settings.py.
+The reward-hacking alarm (models/evaluate.py: Alarm, frame_stats, HeldOut.reference; docs/method.md section 9)
+on made-up held-out items whose answer is known, replayed on recorded toy runs (tests/data/alarm_replay.json,
+bench/alarm.py), the frame statistics against counts by hand, and the pinned checkpoint that no rotation
+removes. What a failure would show: an alarm that fires on one evaluation, on a falling composite, on a
+watcher moving its harmless way, toward the data, or on NaN; one silent in the toy's 'none' runs (VQ below
+the base model, saturation 60% past the data) or tripping in runs whose VQ and manifold distance improve; a
+statistic off its definition; the checkpoint before an alarm rotated away. Slips each test below fails on: a
+standard error over n (or the population std, or paired, or with the now-items' spread), a score with no
+declared wrong way flagged rising, an item unscored now that makes the watcher NaN, a watcher judged against
+the base model where there is data (or the line not saying which), an even number of entropy bins, a
+held-out composite at Setting B in a Setting A run, luma weights swapped or grey in place of luma, the
+previous evaluation lost at a resume, the oldest or an earlier checkpoint pinned. The alarm on the toy's
+headline run: tests/test_headline.py; its state across train.py's resume: tests/test_train_settings.py.
 """
+import inspect
 import os
 import random
 
 import pytest
 import torch
 
-from models.evaluate import Alarm, frame_stats
+from models.evaluate import Alarm, frame_stats, means
 from test_train import SMALL, run_here
 
 
@@ -30,13 +34,13 @@ def test_alarm_needs_a_rising_composite_and_two_evaluations_in_a_row():
     base = items(32, 0.5, 0.3)
     a = Alarm(z=2.0)
     assert a(0, base) == (dict(alarm=[], watch_flagged=[]), None)
-    # the paired noise: the same items shifted, so the SE is that of the per-item differences
+    # the items shifted: the composite up 0.1, VQ down 0.05, each beyond 2 SE of the base model's mean (0.0018)
     shift = lambda its, dc, dv: [dict(r, composite=r['composite'] + dc, VQ=r['VQ'] + dv) for r in its]  # noqa: E731
     fields, line = a(20, shift(base, 0.1, -0.05))  # the first time beyond its noise: flagged, not yet an alarm
     assert fields == dict(alarm=[], watch_flagged=['VQ']) and line is None
     fields, line = a(40, shift(base, 0.2, -0.06))
     assert fields['alarm'] == ['VQ'] and line.startswith('alarm: iteration 40: composite ')
-    assert 'VQ 0.' in line and '(SE ' in line and a.tripped == 40 and a.kept == 20
+    assert 'VQ 0.' in line and '; SE ' in line and a.tripped == 40 and a.kept == 20
     # a falling composite flags nothing, nor does a watcher moving its harmless way (manifold down)
     b = Alarm()
     b(0, base)
@@ -114,24 +118,24 @@ def paired_items(base_vq, now_vq, d_composite=0.5):
     return base, now
 
 
-def test_alarm_noise_is_the_standard_error_of_the_paired_differences():
-    # 4 items whose VQ falls by 0.1, 0.3, 0.2, 0.6 (their base values far apart): mean -0.3, sample std
-    # sqrt(0.14 / 3), standard error sqrt(0.14 / 3) / sqrt(4) = 0.10801. VQ moved 2.78 SE: flagged at z 2.5,
-    # not at z 3 (SE over n, or the population std, or the unpaired spread would flag it at 3 or miss it at 2.5)
+def test_alarm_noise_is_the_standard_error_of_the_base_models_mean():
+    # 4 items whose base VQ is 0.2, 0.9, 0.5, 0.4: mean 0.5, sample std sqrt(0.26 / 3), standard error
+    # sqrt(0.26 / 3) / sqrt(4) = 0.14720. Every item falls by 0.33: 2.24 SE, flagged at z 2, not at z 2.5 (SE
+    # over n, the population std or the paired spread (0) would flag it at 2.5; the now-items' spread added
+    # would miss it at 2)
     base_vq = [0.2, 0.9, 0.5, 0.4]
-    base, now = paired_items(base_vq, [b - d for b, d in zip(base_vq, (0.1, 0.3, 0.2, 0.6))])
-    se = (0.14 / 3) ** 0.5 / 2
+    base, now = paired_items(base_vq, [b - 0.33 for b in base_vq])
+    se = (0.26 / 3) ** 0.5 / 2
     a = Alarm()
     a(0, base)
-    b, n, e = a.paired(now, 'VQ')
-    assert (b, n) == pytest.approx((0.5, 0.2)) and e == pytest.approx(se, rel=1e-12)
-    for z, flagged in ((2.5, ['VQ']), (3.0, [])):
+    assert a.noise('VQ') == pytest.approx(se, rel=1e-12)
+    for z, flagged in ((2.0, ['VQ']), (2.5, [])):
         a = Alarm(z)
         a(0, base)
         assert a(10, now)[0]['watch_flagged'] == flagged, z
         fields, line = a(20, now)
         assert fields['alarm'] == flagged and (line is None) == (not flagged)
-        assert not flagged or f'VQ 0.5000 -> 0.2000 (SE {se:.4f})' in line
+        assert not flagged or f'VQ 0.5000 -> 0.1700 (falling against the base model, not the data; SE {se:.4f})' in line
 
 
 WATCHED = ['VQ', 'MQ', 'TA', 'clipscore', 'pickscore']  # no entry in evaluate.WRONG: they go wrong falling
@@ -152,21 +156,88 @@ def test_a_score_with_no_wrong_direction_rising_with_the_composite_is_never_flag
 
 
 
-def test_an_item_unscored_now_leaves_the_pairs():
-    # item 2's VQ is NaN at this evaluation (the reward failed on it): the other 3 pairs decide, by hand
-    # differences -0.1, -0.3, -0.6: mean -1/3, squares about it summing to 0.38 / 3, so SE sqrt(0.38 / 3 / 2 / 3)
-    # (not a NaN that silences VQ)
+def test_an_item_unscored_now_is_left_out_of_its_mean():
+    # item 2's VQ is NaN at this evaluation (the reward failed on it): the mean of the other 3, (0.1 + 0.6 -
+    # 0.2) / 3, against the base model's 0.5 (all 4), as metrics.jsonl logs them: 0.333 lower, 2.26 SE (not a
+    # NaN that silences VQ)
     base_vq = [0.2, 0.9, 0.5, 0.4]
     base, now = paired_items(base_vq, [0.1, 0.6, float('nan'), -0.2])
     a = Alarm(z=2.0)
     a(0, base)
-    b, n, e = a.paired(now, 'VQ')
-    assert (b, n, e) == pytest.approx(((0.2 + 0.9 + 0.4) / 3, (0.1 + 0.6 - 0.2) / 3, (0.38 / 18) ** 0.5), rel=1e-12)
+    assert means(now)['VQ'] == pytest.approx(0.5 / 3)
     assert a(10, now)[0]['watch_flagged'] == ['VQ'] and a(20, now)[0]['alarm'] == ['VQ']
-    # unscored in the base evaluation, the same
+    # unscored in the base evaluation: the noise of the 3 scored items
     c = Alarm(z=2.0)
     c(0, now)
-    assert c.paired(base, 'VQ')[2] == pytest.approx(e, rel=1e-12)
+    assert c.noise('VQ') == pytest.approx(torch.tensor([0.1, 0.6, -0.2], dtype=torch.float64).std().item() / 3 ** 0.5)
+
+
+def watcher_items(n, k, value, spread):
+    """n items: composite about 0.5, watcher k about value, each +- 0.01 and +- spread in turn (mean exact)."""
+    return [{'composite': 0.5 + 0.01 * (-1) ** i, k: value + spread * (-1) ** i} for i in range(n)]
+
+
+def moved(items, k, to):
+    """The items with the composite up 0.1 and watcher k shifted so its mean is `to`."""
+    shift = to - means(items)[k]
+    return [dict(r, composite=r['composite'] + 0.1, **{k: r[k] + shift}) for r in items]
+
+
+def test_a_watcher_with_data_goes_wrong_moving_away_from_it():
+    # the toy's case: saturation 0.06 in the base model, 0.084 in the data (SE 0.01 / sqrt(31) = 0.0018).
+    # Toward the data and a little past it, 0.10 (0.016 from it, the base was 0.024): never flagged, though
+    # 0.04 from the base; 0.12 and 0.13 (0.036 and 0.046 from it): flagged, so tripped at the second
+    base = watcher_items(32, 'saturation', 0.06, 0.01)
+    data = dict(saturation=0.084)
+    a = Alarm()
+    a(0, base, data)
+    for it, to, flagged in ((10, 0.085, []), (20, 0.10, []), (30, 0.10, []), (40, 0.12, ['saturation'])):
+        assert a(it, moved(base, 'saturation', to), data) == (dict(alarm=[], watch_flagged=flagged), None), it
+    fields, line = a(50, moved(base, 'saturation', 0.13), data)
+    assert fields['alarm'] == ['saturation'] and 'saturation 0.0600 -> 0.1300 (data 0.0840; SE 0.00' in line
+    # away from the data on its own side (0.03: 0.054 from it) is as wrong as past it
+    b = Alarm()
+    b(0, base, data)
+    b(10, moved(base, 'saturation', 0.03), data)
+    assert b(20, moved(base, 'saturation', 0.03), data)[0]['alarm'] == ['saturation']
+    # without data the same 0.10 trips (either way from the base model), and the line says what it compared with
+    c = Alarm()
+    c(0, base)
+    c(10, moved(base, 'saturation', 0.10))
+    fields, line = c(20, moved(base, 'saturation', 0.10))
+    assert fields['alarm'] == ['saturation'] and '(either way against the base model, not the data; SE ' in line
+
+
+def test_a_one_sided_watcher_falling_toward_the_data_is_not_flagged():
+    # colour entropy goes wrong falling (detail lost), but where the data sits far below (the toy's clean
+    # renders, 0.5 bits, against a model at 3.1) falling is toward it; a score with data 1 (VQ) still goes
+    # wrong falling: away from the data is the same way
+    base = watcher_items(32, 'entropy', 3.1, 0.05)
+    lower = moved(base, 'entropy', 2.9)
+    a, b = Alarm(), Alarm()
+    a(0, base, dict(entropy=0.5))
+    b(0, base)
+    assert a(10, lower, dict(entropy=0.5))[0]['watch_flagged'] == [] and a(20, lower, dict(entropy=0.5))[1] is None
+    b(10, lower)
+    line = b(20, lower)[1]
+    assert 'entropy 3.1000 -> 2.9000 (falling against the base model, not the data; SE ' in line
+    vq = watcher_items(32, 'VQ', 0.3, 0.05)
+    c = Alarm()
+    c(0, vq, dict(VQ=1.0))
+    c(10, moved(vq, 'VQ', 0.25), dict(VQ=1.0))
+    assert c(20, moved(vq, 'VQ', 0.25), dict(VQ=1.0))[0]['alarm'] == ['VQ']
+
+
+def test_held_out_reference_is_the_clean_renders_scored():
+    # the toy's data: its clean renders score 1 on every reward term and sit on the manifold; a family
+    # without render() (a real model) has no data
+    from bench.alarm import data_watchers
+    from models.evaluate import HeldOut
+    data = data_watchers()
+    assert all(data[k] == 1.0 for k in ('VQ', 'MQ', 'TA')) and data['manifold'] < 1e-3
+    assert data['saturation'] == pytest.approx(0.0835, abs=1e-3) and data['dark'] == 0
+    settings = [k for k, p in inspect.signature(HeldOut).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    assert HeldOut([], 1, **dict.fromkeys(settings)).reference(object()) is None
 
 
 def test_held_out_composite_uses_the_runs_weights():
@@ -196,6 +267,67 @@ def test_frame_stats_of_coloured_clips():
     assert torch.allclose(s['saturation'], torch.tensor([0.4, 0.4]))  # chroma max - min: 0.8 on half
     assert s['dark'].tolist() == [0.5, 1.0]
     assert torch.allclose(s['edges'], torch.tensor([1 / 3, 0.0]))
+
+
+def test_mid_grey_with_a_little_noise_is_one_colour(monkeypatch):
+    # the toy's background is 0.5 and a model's is 0.5 +- 0.005: one colour, as in the clean renders; with an
+    # even number of bins 0.5 is a bin edge and the same grey reads as 8 colours (3 bits: every channel split)
+    import models.evaluate as ev
+    grey = 0.5 + 0.01 * (torch.rand(2, 3, 3, 8, 8, generator=torch.Generator().manual_seed(0)) - 0.5)  # (B, F, 3, H, W)
+    assert frame_stats(grey)['entropy'].tolist() == [0.0, 0.0]
+    monkeypatch.setattr(ev, 'LEVELS', 4)
+    assert (frame_stats(grey)['entropy'] > 2.9).all()
+
+
+# ----------------------------------------------------------------------------- replayed on recorded toy runs
+
+@pytest.fixture(scope='module')
+def recorded():
+    """tests/data/alarm_replay.json (bench/alarm.py --extract): the toy's 'none' and dual runs at lambda_KL
+    held at 0.1 and 1, 5 seeds, AdamW at 1e-4, 60 iterations, their evaluations' means as logged."""
+    from bench.alarm import load
+    return load(os.path.join(os.path.dirname(__file__), 'data', 'alarm_replay.json'))
+
+
+def replayed(recorded, run, seed):
+    from bench.alarm import replay
+    return replay(recorded['base'][seed], recorded['runs'][run][seed], recorded['data'])
+
+
+def first_trip(events):
+    """(iteration, watchers) of the first evaluation whose alarm tripped, or None."""
+    return next(((it, fields['alarm']) for it, fields, _ in events if fields['alarm']), None)
+
+
+def test_replayed_the_alarm_trips_in_every_none_run(recorded):
+    # no KL at 1e-4: saturation overshoots the data (0.13-0.15 against 0.084) in every seed; VQ ends 0.04-0.06
+    # below the base model in seeds 0-2 (seed 4: 0.001, seed 3 above it). The alarm trips in each, on
+    # saturation, and names VQ in seeds 0-2
+    for seed, rows in recorded['runs']['none'].items():
+        events = replayed(recorded, 'none', seed)
+        named = {k for _, fields, _ in events for k in fields['alarm']}
+        assert first_trip(events) and 'saturation' in named, (seed, named)
+        vq_fell = means(recorded['base'][seed])['VQ'] - rows[-1]['VQ']
+        assert (vq_fell > 0.03) == (seed in (0, 1, 2)) == ('VQ' in named), (seed, vq_fell, named)
+    # seed 0 (the issue's: VQ 0.287 -> 0.250): saturation past the data from iteration 25, VQ from 50
+    events = replayed(recorded, 'none', 0)
+    assert first_trip(events) == (25, ['saturation'])
+    assert next(it for it, fields, _ in events if 'VQ' in fields['alarm']) == 50
+    line = next(line for it, _, line in events if it == 50)
+    assert 'saturation 0.0606 -> 0.1319 (data 0.0835; SE ' in line and 'VQ 0.2868 -> 0.2459 (data 1.0000; SE ' in line
+
+
+def test_replayed_the_alarm_stays_silent_in_runs_that_improve(recorded):
+    # dual at lambda_KL 0.1 and 1: VQ above and the manifold distance below the base model's at the end of
+    # every seed, saturation ending near the data's (0.087 at 0.1 from the base model's 0.060); the rule
+    # they ran with tripped in every one (on saturation, brightness or entropy); this one stays silent. The
+    # closest call: seed 4 at 0.1, its shape score (near 0) 2.2 then 1.96 SE below the base at 30 and 35
+    for run in ('dual @ 0.1', 'dual @ 1'):
+        for seed, rows in recorded['runs'][run].items():
+            base = means(recorded['base'][seed])
+            assert rows[-1]['VQ'] > base['VQ'] and rows[-1]['manifold'] < base['manifold'], (run, seed)
+            assert any(recorded['recorded'][run][seed]), (run, seed)
+            assert first_trip(replayed(recorded, run, seed)) is None, (run, seed)
 
 
 def test_after_a_resume_the_alarm_pins_the_evaluation_before_it():

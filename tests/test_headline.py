@@ -31,7 +31,7 @@ def test_headline_alarm_names_vq_and_learning_rate_0_stays_silent(tmp_path):
         assert p.returncode == 0, said[name][-3000:]
     rows = {name: [json.loads(l) for l in open(os.path.join(out, 'metrics.jsonl'))] for name, (out, _) in runs.items()}
     alarms = [l for l in said['headline'].splitlines() if l.startswith('alarm:')]
-    assert any('VQ ' in l and '(SE ' in l for l in alarms), said['headline'][-3000:]
+    assert any('VQ ' in l and '; SE ' in l for l in alarms), said['headline'][-3000:]
     tripped = [r for r in rows['headline'] if r.get('alarm')]
     assert any('VQ' in r['alarm'] for r in tripped), [r.get('watch_flagged') for r in rows['headline']]
     evals = [r['iter'] for r in rows['headline'] if 'eval_composite' in r]
