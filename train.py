@@ -1,15 +1,13 @@
 """
-SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (an SDE whose noise
-is its rate integrated over each step, sde.py; a temporal gradient equalizer, equalizer.py) and a
-dual trust region (trust_region.py). What the defaults make of the objective: one optimizer step
-per rollout batch, so theta == theta_old all through the update, the ratio is 1, the PPO clip
-never acts and the exact velocity KL (the policy's transition means vs the rollout policy's) is 0:
-the objective is REINFORCE with each step's term weighted by the equalizer's S_t, plus lambda_KL
-times the position KL (the policy's transition means vs a moving anchor's), and lambda_KL follows
-the paper's printed rule, which *relaxes* the penalty when the KL is high (docs/method.md 4.6, 5.5).
-One iteration is the loop at the bottom, each phase a function above it. The released code's
-switches and the add-ons are off and act at named seams (extras/variants.py, with their settings);
-the machinery (ranks, checkpoints, evaluation, logs) is one call each into infra/, models/, extras/.
+SAGE-GRPO: GRPO for text-to-video flow models with manifold-aware exploration (sde.py, equalizer.py)
+and a dual trust region (trust_region.py). What the defaults make of the objective: one optimizer
+step per rollout batch, so theta == theta_old in the update, the ratio is 1, the PPO clip never acts
+and the exact velocity KL (the policy's transition means vs the rollout policy's) is 0: REINFORCE
+with each step's term weighted by the equalizer's S_t, plus lambda_KL times the position KL (vs a
+moving anchor's means); lambda_KL follows the paper's printed rule, which *relaxes* the penalty when
+the KL is high (docs/method.md 4.6, 5.5). One iteration is the loop at the bottom, each phase a
+function above it. The released code's switches and the add-ons are off and act at named seams
+(extras/variants.py); the machinery (ranks, checkpoints, evaluation, logs) is one call each.
 
     python train.py config/toy.py                          # the toy world on a CPU, minutes
     torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
@@ -32,11 +30,10 @@ from infra import finite, parallel, prompt_cache, rundir, sp
 from infra.configurator import configure, rules
 from infra.optimizer import build as build_optimizers, clip_grad_norm, zero_grad
 from infra.preemption import Preemption
-from infra.versions import check as check_versions
 from models import attention as attention_lib, export, family, videoalign
-from models.evaluate import Alarm, HeldOut
+from models import evaluate as evaluation
 from models.policy import PASS_KINDS, count_passes, encode_prompts, generators, guided_text, \
-    latent_shape, load_decoder, load_policy, noise, seed_of, transformer_config, velocity
+    latent_shape, load_decoder, load_policy, noise, seed_of, velocity
 
 # ----------------------------------------------------------------------------- settings
 # the method (docs/method.md sections 2-5; the released defaults and their sources: section 7)
@@ -83,16 +80,7 @@ experts = 'both'                # Wan 2.2 A14B's experts that train: 'both' | 'h
 gradient_checkpointing = True   # recompute block activations in backward
 attention = 'valid_tokens'      # the blocks' attention: padding left out (models/attention.py)
 attention_backend = 'native'    # diffusers' attention backend: 'native', '_native_flash', ...
-# evaluation and the reward-hacking alarm (models/evaluate.py)
 eval_every = 25                 # iterations between held-out evaluations (and at start and end)
-eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
-eval_samples = 1                # ODE samples (seeds) per held-out prompt
-eval_videos = 4                 # mp4 files written per evaluation
-eval_metrics = 'clipscore,pickscore'  # watchers at held-out evaluation (extras/metrics.py)
-clip_dir = 'weights/clip-vit-large-patch14'  # hf download openai/clip-vit-large-patch14 ...
-pickscore_dir = 'weights/PickScore_v1'       # hf download yuvalkirstain/PickScore_v1 ...
-alarm_z = 2.0                   # reward-hacking alarm: standard errors a watcher must move
-hack_stop = False               # at the reward-hacking alarm: checkpoint and stop
 # scale (the plumbing's settings: infra/parallel.py, infra/rundir.py, extras/diagnostics.py)
 out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, prompt cache
 init_from = 'auto'              # 'auto': continue out_dir's run, else new | 'scratch' | 'resume'
@@ -104,7 +92,7 @@ save_every = 50                 # iterations between checkpoints (also: after th
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks of a node sharing one video's tokens (infra/sp.py)
 seed = 0
-config = configure(globals(), sections=(variants, parallel, rundir, diagnostics),
+config = configure(globals(), sections=(variants, evaluation, parallel, rundir, diagnostics),
                    rules=rules(sde, eq, tr, tvrl, metrics, attention_lib, videoalign, variants))
 variants.check()
 # -----------------------------------------------------------------------------
@@ -113,8 +101,7 @@ variants.check()
 ddp, rank, world, device = parallel.init(device, parallel.dist_timeout)  # before CUDA starts
 master = rank == 0
 quiet = print if master else lambda m: None
-quiet(json.dumps(config, indent=1))
-quiet(parallel.allocator_line(device))  # the allocator settings torch reports
+quiet(json.dumps(config, indent=1) + '\n' + parallel.allocator_line(device))
 sp_mesh = sp.mesh(sp_size, device) if sp_size > 1 else None  # (dp, ring, ulysses) of the world
 # this rank's videos (global indices video_ids, the same over an sp group), its data-parallel place
 shard_size, dp_rank, dp_world, dp_group, video_ids = parallel.layout(
@@ -123,29 +110,20 @@ n_local = len(video_ids)
 preemption = Preemption(rank, device)  # the first SIGTERM: a checkpoint at the next forward
 train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
 eval_list, _ = prompt_cache.read_prompts(eval_prompts)
-parallel.check_shared(out_dir, 'out_dir', master)  # every rank sees rank 0's out_dir, or all stop
-check_versions(quiet)  # one line if diffusers or transformers is outside the tested range
-ckpts, history = rundir.claim(config, master, log=quiet)  # out_dir locked; the run it holds
-preflight.check(config)  # every path the run reads (weights, rewards, watchers): all named at once
+ckpts, history = preflight.start(config, master, quiet)  # out_dir claimed; paths, disk, sp
 
 # the models: the reward first (a broken one costs seconds, not the policy's load), the prompt
-# embeddings (rank 0 encodes them into out_dir's cache), the policy, its optimizer and trust region
+# embeddings (rank 0 encodes them into out_dir's cache), the policy, its optimizer, trust region
 fam = family(model)  # the model family's file: the interface in models/__init__.py
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): no weights read
-if sp_size > 1:  # the heads and the video tokens split over sp, checked before anything loads
-    sp.check(sp_size, transformer_config(model), shape)
-reward_fn, manifold_distance = videoalign.load_reward(reward_model, videoalign_dir, qwen_dir, device,
-                                                      family=fam)  # the toy's: its own
-visual = metrics.load_watchers(eval_metrics, clip_dir, pickscore_dir)  # reward hacking's watchers
+reward_fn, manifold_distance = preflight.reward_first(config, device, fam)  # one clip scored
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
                                  set(train_list) | set(eval_list) | {negative_prompt},
                                  encode_prompts, device, master, parallel.solo_timeout)
-policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, checkpointing=gradient_checkpointing,
-                     attention=attention, backend=attention_backend, experts=experts,
-                     mesh=parallel.fsdp_mesh(world, shard_size, device) if ddp else None,
-                     solo_timeout=parallel.solo_timeout)
-if sp_mesh:  # every forward splits its tokens over the sp group (FSDP shards over its own mesh)
-    sp.enable(policy, sp_mesh, fam.cp_plan(policy))
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, experts=experts,
+                     checkpointing=gradient_checkpointing, attention=attention,
+                     backend=attention_backend, solo_timeout=parallel.solo_timeout, sp_mesh=sp_mesh,
+                     mesh=parallel.fsdp_mesh(world, shard_size, device) if ddp else None)
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
 anchor = tr.Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
 controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target,
@@ -160,19 +138,22 @@ n_train = max(1, round(timestep_fraction * len(variants.window(stochastic_steps,
 on_policy = updates_per_iter == 1  # every micro-batch's forward is at theta_old (step_loss)
 nonfinite = diagnostics.NonFinite(rundir.nonfinite_stop, out_dir)  # skips NaN steps; a row stops
 
-# the run's state: new, or from out_dir's newest intact checkpoint (each rank reads its shards)
-alarm = Alarm(alarm_z)  # compares each evaluation with the base model's (iteration 0)
+# the run's state: new, or out_dir's newest intact checkpoint (each rank reads its shards); the
+# held-out evaluation and the reward-hacking alarm, against the data or the base model
+alarm = evaluation.Alarm(evaluation.alarm_z)
 run = rundir.Run(out_dir, rundir.keep_checkpoints, policy, optimizers, anchor, PASS_KINDS,
                  dict(world=world, config=config), controller=controller, alarm=alarm)
 run.resume(ckpts, log=quiet)  # run.iter_num, .opt_steps, .passes (all ranks'), .eval_owed
 text_for = functools.partial(guided_text, text_cache, negative=negative_prompt, device=device)
-evaluate = HeldOut(eval_list, eval_samples, seed=seed, cfg=cfg, shape=shape, text_for=text_for,
-                   sigmas=sde.sigmas(eval_steps or num_steps, shift).to(device), fps=fps,
-                   batch=rollout_batch, decode=decode, reward_fn=reward_fn, passes=run.passes,
-                   reward_weights=reward_weights, manifold_distance=manifold_distance,
-                   visual=visual, move_visual=metrics.move, out_dir=out_dir, videos=eval_videos,
-                   dp_rank=dp_rank, dp_world=dp_world, leads=rank % sp_size == 0,
-                   preemption=preemption, device=device)
+E = evaluation
+evaluate = E.HeldOut(eval_list, E.eval_samples, seed=seed, cfg=cfg, shape=shape, text_for=text_for,
+                     sigmas=sde.sigmas(E.eval_steps or num_steps, shift).to(device), fps=fps,
+                     batch=rollout_batch, decode=decode, reward_fn=reward_fn, passes=run.passes,
+                     reward_weights=reward_weights, manifold_distance=manifold_distance,
+                     visual=metrics.load_watchers(E.eval_metrics, E.clip_dir, E.pickscore_dir),
+                     move_visual=metrics.move, out_dir=out_dir, videos=E.eval_videos, device=device,
+                     dp_rank=dp_rank, dp_world=dp_world, leads=rank % sp_size == 0,
+                     preemption=preemption)
 
 # ----------------------------------------------------------------------------- the phases
 def trained_steps(it):
@@ -183,16 +164,16 @@ def trained_steps(it):
     return steps, s_t.to(device)
 
 def rollout(it, steps):
-    """G videos of each of the iteration's prompts, x_1 ~ N(0, I) down to x_0 by the SDE at `steps`:
-    of every step the latent 'xs' (n, N+1, C, F, h, w) and the log-prob 'logps' (n, N) (the log's
-    drift figure only, at the defaults: docs/method.md 4.6). Every draw has its own seed."""
+    """G videos a prompt, x_1 ~ N(0, I) to x_0: every step's latent 'xs' (n, N+1, C, F, h, w)
+    and log-prob 'logps' (n, N) (the log's drift figure only at the defaults: 4.6)."""
     chosen = prompt_cache.choose(len(train_list), prompts_per_iter, seed_of(seed, 'prompts', it))
     prompts, records = [train_list[chosen[i // group_size]] for i in video_ids], []
     keep = ('xs', 'logps') + variants.rollout_keeps(on_policy)
     for c in tqdm(range(0, n_local, rollout_batch), 'rollout', disable=not master, leave=False):
         ids, ps = video_ids[c:c + rollout_batch], prompts[c:c + rollout_batch]
         gens = generators([seed_of(seed, 'rollout', it, i) for i in ids])  # each video's own noise
-        x1 = noise(shape, variants.initial_noise(gens, ps, ids, prompt_seeds, seed, group_size), device)
+        gens_x1 = variants.initial_noise(gens, ps, ids, prompt_seeds, seed, group_size)  # the same
+        x1 = noise(shape, gens_x1, device)  # (n, C, F, h, w): x_1 ~ N(0, I)
         text, text_neg = text_for(ps)
         def v(x, s):  # the guided velocity: classifier-free guidance's two branches in one forward
             return velocity(policy, x, s, text, cfg, text_neg)
@@ -215,7 +196,7 @@ def score(videos, steps):
 
 def advantages(scores):
     """GRPO advantages of this rank's videos (n,), each over its whole group (groups may span
-    ranks), and which videos count (n,): a NaN reward drops its video; the batch's rewards (the log)."""
+    ranks), and which videos count (n,): a NaN reward drops its video; the batch's rewards."""
     c = torch.stack([scores[k] for k in reward.DIMS], 1).float().to(device)  # (n, 3)
     c = parallel.gather(c, dp_group).view(prompts_per_iter, group_size, -1)  # (P, G, 3) all ranks'
     r = reward.combine(dict(zip(reward.DIMS, c.unbind(-1))), reward_weights)  # (P, G)
@@ -226,8 +207,7 @@ def advantages(scores):
     return adv.flatten()[video_ids], valid.flatten()[video_ids].float(), batch
 
 def policy_step(videos, b, t):
-    """The policy's SDE step from the rollout's x_t of local videos b (a list) at steps t (n,): its
-    mean, std and the log-prob of the rollout's x_{t+1}, one forward."""
+    """One forward: the policy's SDE step from x_t of videos b at steps t (n,); x_{t+1}'s logp."""
     x_t, x_next = videos['xs'][b, t], videos['xs'][b, t + 1]          # (n, C, F, h, w)
     text, text_neg = text_for([videos['prompts'][i] for i in b])
     v = velocity(policy, x_t, sigmas[t], text, cfg, text_neg)  # guided: CFG's two branches
@@ -283,7 +263,7 @@ def update(videos, batch, steps, s_t):
     stats = diagnostics.UpdateStats(max(1, sum(videos['finite'])) * n_train, clip_range, on_policy)
     split = diagnostics.GradientSplit(optimizers, diagnostics.ratio_due(run.iter_num)
                                       or variants.kl_ratio_target > 0)  # the KL/policy ratio: off
-    def micro_batches(ids):  # (train_batch videos, one of their steps); every rank runs the same passes
+    def micro_batches(ids):  # (train_batch videos, one of their steps); every rank runs every pass
         batches = finite.micro_batches(ids, videos['finite'], train_batch, n_train)
         return preemption.points(tqdm(batches, 'update', disable=not master, leave=False))
     if not on_policy:  # updates_per_iter > 1 only
@@ -297,7 +277,7 @@ def update(videos, batch, steps, s_t):
         # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
         for b, j in micro_batches(chunk):  # a stop drops these gradients: no step taken yet
             loss, terms = step_loss(videos, b, order[b, j], s_t, controller.value, denom)
-            split.backward(loss, terms, denom)  # loss.backward(); on a cadence, the two terms apart
+            split.backward(loss, terms, denom)  # loss.backward(); on a cadence, the terms apart
             kl = terms['kl'][terms['valid'] > 0].mean().item() if terms['valid'].any() else None
             kls += [kl] if kl is not None else []  # a stand-in's videos are not valid: none
             stats.add(loss, terms, videos['logps'][b, order[b, j]])
@@ -312,7 +292,7 @@ def update(videos, batch, steps, s_t):
         if not skipped:
             run.opt_steps += 1
             preemption.stepped()  # the weights moved: the iteration runs to its end, then saves
-            if variants.kl_update == 'step':  # lambda_KL after each optimizer step, on all ranks' KL
+            if variants.kl_update == 'step':  # lambda_KL after each optimizer step, all ranks' KL
                 controller.update(parallel.mean_of(kls, device), r1)
             anchor.maybe_refresh(policy, run.opt_steps)  # every anchor_every steps (moving, dual)
     count_passes(run.passes, ('anchor', 'update'), device)
@@ -320,54 +300,33 @@ def update(videos, batch, steps, s_t):
                 nonfinite_clips=finite.count(videos['finite'], device, dp_group))
 
 def gradient_norms(it, videos, steps, s_t):
-    """Every diag_every iterations (off by default): one clip's gradient norms at its first and last
-    trained step, with and without S_t, and its KL/policy ratio (extras/diagnostics.py, 4 passes)."""
-    if not diagnostics.diag_due(it):
-        return {}
-    norms = diagnostics.gradient_norms(  # of dp rank 0's clip 0, whose gradient FSDP averaged: x world
-        lambda t: step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1], steps, s_t,
-        controller.value, (kl_pos_weight, kl_vel_weight), optimizers, world if dp_rank == 0 else 0,
-        preemption.point)
-    count_passes(run.passes, ('diag_anchor', 'diag'), device)
-    return norms
-
-def log_iteration(scores, batch, row, diag, times):
-    """metrics.jsonl's row of the iteration, and its line on the console."""
-    log(dict(iter=run.iter_num, **diagnostics.reward_row(batch, reward.DIMS), **row, **diag, **times,
-             **variants.credit_row(scores, device), **{f'passes_{k}': n for k, n in run.passes.items()},
-             **parallel.peak_memory(device)))
+    """Every diag_every iterations (off): one clip's 4-pass gradient norms (extras/diagnostics.py)."""
+    def terms_at(t):  # a fresh forward of video 0 at step t
+        return step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
+    def count():
+        count_passes(run.passes, ('diag_anchor', 'diag'), device)
+    return diagnostics.gradient_norms_due(  # dp rank 0's clip 0, its gradient FSDP-averaged: x world
+        it, terms_at, steps, s_t, controller.value, (kl_pos_weight, kl_vel_weight), optimizers,
+        world * (dp_rank == 0), preemption.point, count)
 
 def held_out(it):
     """Evaluate, watch, log; a stop meanwhile checkpoints, and this evaluation is owed on resume."""
     parallel.reset_peak_memory(device)  # the peak logged is the evaluation's
     ev = evaluate(policy, it, lambda: run.save(eval_owed=True))
-    watch, line = alarm(it, evaluate.items)  # the same on every rank: the items are gathered
+    watch, line = alarm(it, evaluate.items, evaluate.reference(fam))  # the same on every rank
     log({'iter': it, **{f'eval_{k}': v for k, v in ev.items()}, **watch,
          'peak_mem_gb': parallel.peak_memory_gb(device).max().item()})
-    if master and line:  # the checkpoint of the evaluation before the alarm is kept
-        alarm.announce(it, line, out_dir, hack_stop)
-    if master and it == max_iters and alarm.base:  # the run's last line: the base model vs now
-        print(alarm.summary(ev))
-
-def checkpoint_or_stop(it):
-    """Checkpoint after the run's first iteration, every save_every iterations and save_every_min
-    minutes, at the end, on a stop request (SIGTERM: every rank asks once an iteration) and at a
-    tripped alarm with hack_stop. True: the run stops here."""
-    stop, halt = preemption.requested(device), hack_stop and alarm.tripped is not None
-    if cadence.due(it) or it == max_iters or stop or halt:  # due() first: a collective, every rank
-        run.save()
-    if stop and master:
-        print(f'preempted: checkpoint of iteration {it} written; the same command continues')
-    return stop or halt
+    if master:  # the alarm's line (its evaluation's checkpoint kept); at the end, base vs now
+        alarm.say(it, line, ev, out_dir, evaluation.hack_stop, last=max_iters)
 
 # ----------------------------------------------------------------------------- training loop
 if master:  # once everything has loaded: a run that fails to start leaves out_dir as it was
     rundir.record(out_dir, history, config, run.iter_num, world, run.eval_owed)  # config.json
-log = rundir.Log(out_dir, master, rundir.wandb_project, config)  # metrics.jsonl, the console, wandb
+log = rundir.Log(out_dir, master, rundir.wandb_project, config)  # metrics.jsonl, console, wandb
 if run.eval_owed:  # the base model's, or an evaluation a stop cut short
     held_out(run.iter_num)
 policy.train()
-cadence = rundir.Cadence(save_every, rundir.save_every_min, device)  # the clock starts, every rank's
+cadence = rundir.Cadence(save_every, rundir.save_every_min, device)  # the clock starts, each rank's
 while run.iter_num < max_iters:
     it, t0 = run.iter_num, time.time()
     parallel.reset_peak_memory(device)  # the logged peaks are this iteration's
@@ -380,13 +339,15 @@ while run.iter_num < max_iters:
     videos['adv'], videos['valid'], batch = advantages(scores)  # within each group; NaN: left out
     diag = gradient_norms(it, videos, steps, s_t)   # one clip's 4-pass gradient norms: off
     row = update(videos, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
-    run.iter_num = it = it + 1
-    log_iteration(scores, batch, row, diag, dict(t_rollout=t1 - t0, t_reward=t2 - t1,
-                                                 t_update=time.time() - t2))
+    run.iter_num = it = it + 1                       # metrics.jsonl's row, the console's line:
+    log(dict(iter=it, **diagnostics.reward_row(batch, reward.DIMS), **row, **diag,
+             t_rollout=t1 - t0, t_reward=t2 - t1, t_update=time.time() - t2,
+             **variants.credit_row(scores, device), **parallel.peak_memory(device),
+             **{f'passes_{k}': n for k, n in run.passes.items()}))
     if (eval_every and it % eval_every == 0) or it == max_iters:
         held_out(it)                                # held-out ODE samples, watchers, the alarm
-    if checkpoint_or_stop(it):
-        break
+    if run.save_if_due(it, cadence, preemption, max_iters, alarm.halts(evaluation.hack_stop)):
+        break  # a stop request (SIGTERM) or a tripped alarm with hack_stop: checkpointed
 if rundir.export_dtype and run.iter_num == max_iters:  # the aligned model, a diffusers directory
     export.final(out_dir, rundir.export_dtype, parallel.solo_timeout, master, fam.TRANSFORMER)
 preemption.stepped()  # drops its run.save: nothing may hold the FSDP modules past here

@@ -194,6 +194,16 @@ class NonFinite:
         return self.row > 0
 
 
+def gradient_norms_due(it, terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary,
+                       count):
+    """gradient_norms() every diag_every iterations ({} otherwise), then count() its passes."""
+    if not diag_due(it):
+        return {}
+    norms = gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary)
+    count()
+    return norms
+
+
 def gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary=None):
     """{'gnorm_first', 'gnorm_first_eq', 'gnorm_last', 'gnorm_last_eq'} and, with a KL term,
     'kl_grad_ratio'. terms_at(t): the per-clip terms {'policy', 'kl_pos', 'kl_vel'} (1,) of the

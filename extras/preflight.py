@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 
 from extras import metrics
-from infra import checkpoint, prompt_cache
+from infra import checkpoint, parallel, prompt_cache, rundir, sp
+from infra.versions import check as check_versions
 from models import DEFAULT, family, load_family
 from models import videoalign
+from models.policy import latent_shape, transformer_config
 
 GET_MODEL = 'hf download {} --local-dir {}'  # the model: its family's HUB_ID (models/<family>.py)
 LOCAL = 'weights/HunyuanVideo-1.5-480p_t2v'  # where the README puts it
@@ -114,6 +116,22 @@ def check(config):
     if not lines and 'out_dir' in config:
         lines = disk(config)
     stop_all(lines, 'before anything loaded')
+
+
+def start(config, master, log=print):
+    """Everything checked before anything loads, in order: every rank sees rank 0's out_dir (or all
+    stop), sp_size divides the heads and the video tokens, diffusers and transformers within the tested range (one line if not), out_dir locked and
+    the run it holds claimed (rundir.claim: its checkpoints, newest first, and its history), every
+    path the run reads and the disk its checkpoints need (check). Returns claim()'s (ckpts, history)."""
+    parallel.check_shared(config['out_dir'], 'out_dir', master)
+    if config.get('sp_size', 1) > 1:  # the heads and the video tokens split over sp
+        c = config
+        sp.check(c['sp_size'], transformer_config(c['model']),
+                 latent_shape(c['model'], c['num_frames'], c['height'], c['width']))
+    check_versions(log)
+    claimed = rundir.claim(config, master, log=log)
+    check(config)
+    return claimed
 
 
 def stop_all(lines, when):

@@ -278,6 +278,18 @@ class Run:
             if name in loop:
                 part.load_state_dict(loop[name])
 
+    def save_if_due(self, it, cadence, preemption, last, halt=False):
+        """Checkpoint iteration `it` when due: after the run's first iteration, every save_every
+        iterations and save_every_min minutes (cadence), at the last, on a stop request (SIGTERM:
+        every rank asks once an iteration) and at halt (a tripped alarm with hack_stop). True: the
+        run stops here."""
+        stop = preemption.requested()
+        if cadence.due(it) or it == last or stop or halt:  # due() first: a collective on every rank
+            self.save()
+        if stop and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f'preempted: checkpoint of iteration {it} written; the same command continues')
+        return stop or halt
+
     def save(self, eval_owed=False):
         """Collective: each rank writes its shards, rank 0 publishes <out_dir>/ckpt_<iteration>."""
         loop = dict(iter_num=self.iter_num, opt_steps=self.opt_steps, passes=self.passes,

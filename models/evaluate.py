@@ -37,6 +37,17 @@ from models import family_of
 from models.policy import count_passes, generators, noise, sample, save_mp4, seed_of
 from reward import combine
 
+# ----------------------------------------------------------------------------- settings (train.py's, set as its own)
+eval_steps = 0                  # ODE steps of the held-out evaluation (0: num_steps)
+eval_samples = 1                # ODE samples (seeds) per held-out prompt
+eval_videos = 4                 # mp4 files written per evaluation
+eval_metrics = 'clipscore,pickscore'  # watchers at held-out evaluation (extras/metrics.py)
+clip_dir = 'weights/clip-vit-large-patch14'  # hf download openai/clip-vit-large-patch14 ...
+pickscore_dir = 'weights/PickScore_v1'       # hf download yuvalkirstain/PickScore_v1 ...
+alarm_z = 2.0                   # reward-hacking alarm: standard errors a watcher must move
+hack_stop = False               # at the reward-hacking alarm: checkpoint and stop
+# -----------------------------------------------------------------------------
+
 
 DARK = 0.1   # luma below this is a dark pixel
 EDGE = 0.1   # a luma step to the next pixel above this is an edge
@@ -80,6 +91,10 @@ class Alarm:
     def __init__(self, z=2.0):
         self.z, self.base, self.flagged, self.tripped = z, None, [], None  # base: the base model's items
         self.last = self.kept = None  # the previous evaluation's iteration; when tripped, the one to keep
+
+    def halts(self, hack_stop):
+        """Whether the run stops here: the alarm has tripped and hack_stop is set."""
+        return bool(hack_stop) and self.tripped is not None
 
     def noise(self, k):
         """The standard error of the base model's mean of watcher k over its scored items."""
@@ -132,6 +147,14 @@ class Alarm:
         rotation removes it."""
         kept = checkpoint.pin(out_dir, self.kept, f'the last evaluation before the alarm of {iter_num}')
         print(line + (f'; {kept} is kept' if kept else '') + ('; hack_stop: stopping' if hack_stop else ''))
+
+    def say(self, iter_num, line, now, out_dir, hack_stop, last):
+        """Rank 0, after an evaluation: the alarm's line if it tripped (announce), and after the run's
+        last evaluation the base model against now (summary)."""
+        if line:
+            self.announce(iter_num, line, out_dir, hack_stop)
+        if iter_num == last and self.base:
+            print(self.summary(now))
 
     def summary(self, now):
         """'eval composite before <the base model's> -> after <now's>': the run's last line."""

@@ -46,7 +46,7 @@ def transformer_config(path):
 
 
 def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base_dtype=None, attention=None,
-                backend=None, mesh=None, experts='both', solo_timeout=60.0):
+                backend=None, mesh=None, experts='both', solo_timeout=60.0, sp_mesh=None):
     """The trainable transformer: LoRA adapters if lora_rank > 0, FSDP2-sharded per block and at
     the root when fsdp, over `mesh` (None: flat over all ranks; 2-D: HSDP, parallel.fsdp_mesh).
     Under FSDP only rank 0 reads the base model from disk; the other ranks build on the meta device
@@ -58,7 +58,8 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
     17 GB instead of 33 GB; velocity() computes in bf16 there anyway), else fp32.
     experts: of a two-expert model (Wan 2.2 A14B), which train: 'both', 'high' or 'low' (the other
     frozen: requires_grad False, so the optimizer, the anchor and the checkpoints leave it out; bf16
-    on a GPU, where it computes in bf16 anyway: Experts.freeze)."""
+    on a GPU, where it computes in bf16 anyway: Experts.freeze). sp_mesh: every forward splits its
+    tokens over the sp group (infra/sp.py; FSDP shards over its own mesh)."""
     master = not fsdp or dist.get_rank() == 0
     fam = family(path)
     read = lambda meta: load_transformer(path, meta=meta, attention=attention, backend=backend)  # noqa: E731
@@ -84,7 +85,7 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
     if checkpointing:
         net.enable_gradient_checkpointing()  # recompute each block's activations in backward
     if not fsdp:  # fp32 trained weights; on a GPU velocity() computes in bf16 under autocast
-        return net.to(device)
+        return _split(net.to(device), sp_mesh, fam)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     full = net.state_dict() if master else {}  # references, kept alive across the sharding
     # non-persistent buffers (Wan's rope tables) are in no state dict: rank 0's, broadcast below
@@ -99,6 +100,12 @@ def load_policy(path, device, fsdp=False, lora_rank=0, checkpointing=False, base
                 b.copy_(extra[n])
             dist.broadcast(b, 0)
     del full, extra
+    return _split(net, sp_mesh, fam)
+
+
+def _split(net, sp_mesh, fam):
+    if sp_mesh is not None:
+        sp.enable(net, sp_mesh, fam.cp_plan(net))
     return net
 
 

@@ -80,15 +80,20 @@ def test_sample_kl_estimator_pulls_toward_the_rollout_policy(tmp_path, monkeypat
 
     def constant(frames, prompts, fps=toy.FPS):  # equal rewards in every group: every advantage is 0
         return {k: torch.full_like(v, 0.5) for k, v in score(frames, prompts, fps).items()}
-    rollouts, inner = [], M.sample
+    rollouts, inner, inner_velocity, last = [], sde.rollout, M.velocity, {}
 
-    def recording(net, x, sigmas, text, cfg, text_neg, kind, eta, *a, keep=False, **kw):
-        out = inner(net, x, sigmas, text, cfg, text_neg, kind, eta, *a, keep=keep, **kw)
+    def velocity(net, x, s, text, cfg=1.0, text_neg=None):  # the text and cfg of the last forward
+        last.update(text=text, cfg=cfg, text_neg=text_neg)
+        return inner_velocity(net, x, s, text, cfg, text_neg)
+
+    def recording(v, x, sigmas, kind, eta, *a, keep=(), **kw):
+        out = inner(v, x, sigmas, kind, eta, *a, keep=keep, **kw)
         if keep:  # a rollout, not the held-out ODE samples
-            rollouts.append((sigmas, text, cfg, text_neg, kind, eta, out[1]))
+            rollouts.append((sigmas, last['text'], last['cfg'], last['text_neg'], kind, eta, out[1]))
         return out
     monkeypatch.setattr(toy, 'reward', constant)
-    monkeypatch.setattr(M, 'sample', recording)
+    monkeypatch.setattr(sde, 'rollout', recording)
+    monkeypatch.setattr(M, 'velocity', velocity)
     lam = ['--kl_init=1.0', '--kl_min=1.0', '--kl_max=1.0', '--kl_warmup=0', '--weight_decay=0',
            '--timestep_fraction=1.0', '--optimizer=adamw', '--learning_rate=1e-5']
     out = str(tmp_path / 'sample')
