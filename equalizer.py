@@ -31,8 +31,8 @@ import sde
 
 def sensitivity(kind, s, s_next, eta):
     """lambda_t = d mean / d v for one step s -> s_next (floats or tensors, like sde.variance): the
-    mean is x + dt v - c noise_hat with noise_hat = x + (1 - s) v (sde.py), so lambda_t = dt - c (1 - s)
-    for every sampler, c its sde.correction."""
+    mean is x + dt v - c noise_hat with noise_hat = x + (1 - s) v (sde.py), so for every sampler
+    lambda_t = dt - c (1 - s), c its sde.correction."""
     s64, s_next64 = sde._as_tensor(s).double(), sde._as_tensor(s_next).double()
     var = sde.variance(kind, s64, s_next64, eta)  # Sigma, = std^2
     lam = (s_next64 - s64) - sde.correction(kind, s64, s_next64, var) * (1 - s64)  # dt < 0

@@ -10,9 +10,9 @@ frozen; the toy world brings its own exact one (models/toy.py). train.py loads o
     A = clip((r - mean_group) / std_group, +-clip)  group_advantages: a NaN reward leaves its group
 
 Where this differs from the paper and the released code: a clip the reward cannot score (NaN, or a
-non-finite frame: infra/finite.py FiniteFrames) leaves its group's mean and std and the update, where
-the released loop scored it 0 (docs/method.md 6.2.5). The add-ons' advantages (per component, TaRoS)
-are extras/variants.py's.
+non-finite frame: infra/finite.py FiniteFrames) leaves its group's mean and std and the update,
+where the released loop scored it 0 (docs/method.md 6.2.5). The add-ons' advantages (per
+component, TaRoS) are extras/variants.py's.
 
 Tested by: python -m pytest tests/test_reward.py tests/test_advantage.py
 """

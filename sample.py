@@ -130,7 +130,8 @@ for name, ckpt, path in models:
 
 names = [name for name, *_ in models]
 compare.contact_sheet(clips, names, prompt_list, os.path.join(out_dir, 'contact_sheet.png'))
-print(f'contact sheet: {out_dir}/contact_sheet.png (per prompt: its text, then {" above ".join(names)})')
+print(f'contact sheet: {out_dir}/contact_sheet.png (per prompt: its text, then '
+      f'{" above ".join(names)})')
 
 # ----------------------------------------------------------------------------- metrics table
 # the clips above scored by the reward (the model's own exact one, the toy's; or VideoAlign) and the
@@ -138,8 +139,8 @@ print(f'contact sheet: {out_dir}/contact_sheet.png (per prompt: its text, then {
 # CLIPScore falls)
 if metrics_table:
     try:
-        reward_fn, manifold_distance = load_reward('world' if hasattr(fam, 'reward') else 'videoalign',
-                                                   videoalign_dir, qwen_dir, device, family=fam)
+        kind = 'world' if hasattr(fam, 'reward') else 'videoalign'
+        reward_fn, manifold_distance = load_reward(kind, videoalign_dir, qwen_dir, device, fam)
         visual = metrics.load_metrics(eval_metrics, clip_dir, pickscore_dir, device)
     except (OSError, ValueError) as e:  # the videos and the sheet are written: say what is missing
         print(f'no metrics table: {e}')

@@ -13,9 +13,9 @@ A new sampler is its name in KINDS, its Sigma in variance() and its c in correct
 
 Sigma is the noise variance of one step (docs/method.md section 2):
     dance  eta^2 d            flow  eta^2 s/(1-s) d  (1-s at s=1 taken at s_1)
-    sage   eta^2 int_{s'}^{s} u/(1-u) du, exact on every step but the first: that one starts at u = 1,
-           where the integral diverges, so its Sigma is set by clamping both ends at 1-3e-3
-           (std 0.56 on the reference schedule; 0.76 with 1e-3), and it is the step with the largest S_t
+    sage   eta^2 int_{s'}^{s} u/(1-u) du, exact on every step but the first: that one starts at
+           u = 1, where the integral diverges, so its Sigma is set by clamping both ends at 1-3e-3
+           (std 0.56 on the reference schedule; 0.76 with 1e-3): the step with the largest S_t
     cps    std^2 = (s' sin(eta pi/2))^2
 
 Where this differs from the paper (each argued once in docs/method.md 6.2):
@@ -54,7 +54,7 @@ def sigmas(num_steps, shift):
 
 
 def _as_tensor(s):
-    # floats become 0-d float64 tensors so every kind is one tensor formula; the caller converts back
+    # floats become 0-d float64 tensors so every kind is one tensor formula; the caller converts
     return s if torch.is_tensor(s) else torch.tensor(float(s), dtype=torch.float64)
 
 
@@ -76,7 +76,7 @@ def variance(kind, s, s_next, eta):
         one_minus = torch.where(s >= 1, 1 - s_next, 1 - s)
         var = eta**2 * s / one_minus * d
     elif kind == 'sage':
-        # the paper's formula with both ends clamped at c inside the log (d stays the step's own): for
+        # the paper's formula, both ends clamped at c inside the log (d stays the step's own): for
         # s <= c exactly the paper's; a step reaching above c loses the piece above it; one wholly
         # above c would get -eta^2 d < 0, floored at 0 (an ODE step: docs/method.md 2.2)
         hi, lo = s.clamp(max=SAGE_CLAMP), s_next.clamp(max=SAGE_CLAMP)
@@ -95,7 +95,7 @@ def stochastic_steps(kind, sigmas, eta):
 
 
 def window(steps, size, seed):
-    """The stochastic, trained steps of a rollout with sde_window=size: `size` consecutive entries of
+    """The stochastic, trained steps of a rollout with sde_window=size: `size` consecutive ones of
     `steps` (the schedule's stochastic ones) from a start drawn uniformly from seed (train.py: one a
     run and iteration); all of `steps` if size is 0 or covers them (docs/method.md section 6.3)."""
     if not size or size >= len(steps):
@@ -110,7 +110,7 @@ def correction(kind, s, s_next, var):
     if kind == 'cps':  # = s' - sqrt(s'^2 - std^2) without cancellation; 0 (not 0/0) when std = 0
         root = torch.sqrt((s_next**2 - var).clamp(min=0))
         return torch.where(var > 0, var / (s_next + root).clamp(min=1e-300), 0.0)
-    if kind in ('ode', 'dance', 'flow', 'sage'):  # the SDE's Ito term 0.5 Sigma score, score = -noise_hat / s
+    if kind in ('ode', 'dance', 'flow', 'sage'):  # Ito's 0.5 Sigma score, score = -noise_hat / s
         return 0.5 * var / s
     raise ValueError(f'sampler kind {kind!r} has no correction in sde.correction')
 
@@ -149,7 +149,7 @@ def step(x, v, s, s_next, kind='sage', eta=0.5, x_next=None, generator=None, noi
     dt, c_, s_ = bcast(s_next64 - s64), bcast(c), bcast(s64)
     x32, v32 = x.float(), v.float()  # (B, ...) float32: bf16 would lose the small dt * v update
     noise_hat = x32 + (1 - s_) * v32  # (B, ...)
-    # Euler first, then the correction: with c = 0 this is bitwise FlowMatchEulerDiscreteScheduler.step
+    # Euler first, then the correction: at c = 0 bitwise FlowMatchEulerDiscreteScheduler.step
     mean = x32 + dt * v32 - c_ * noise_hat  # (B, ...)
     std = var.sqrt().float()  # (B,)
     stochastic = std > 0  # (B,); the check below is a host sync on GPU (a few bytes)
@@ -172,10 +172,10 @@ RECORDS = ('xs', 'means', 'logps', 'stds')  # what rollout() can keep of every s
 @torch.no_grad()
 def rollout(velocity, x, sigmas, kind, eta, gens, steps=None, keep=(), boundary=None):
     """The sampling loop: x (B, C, F, h, w) from sigmas[0] down to sigmas[-1], one step() a sigma
-    interval, v = velocity(x, s) at the samples' sigmas s (B,); the step is of `kind` at the indices in
-    `steps` (every one if None), an ODE (Euler) step elsewhere. gens: one generator a sample, its own
-    noise stream, drawn at every step (ODE ones too) so a clip's rollout does not depend on how clips
-    are batched or which steps are stochastic. boundary(): before each forward (a preemption point).
+    interval, v = velocity(x, s) at the samples' sigmas s (B,); the step is of `kind` at the indices
+    in `steps` (every one if None), an ODE (Euler) step elsewhere. gens: one generator a sample, its
+    own noise stream, drawn at every step (ODE ones too) so a clip's rollout does not depend on how
+    clips are batched or which steps are stochastic. boundary(): before each forward (preemption).
     Returns the final latents and {name: every step's} of the RECORDS in keep (None if none): xs
     (B, N+1, ...) the latents, means (B, N, ...) float32, logps (B, N) (0 at an ODE step: it has no
     log-probability and is never trained), stds (B, N)."""
@@ -187,11 +187,12 @@ def rollout(velocity, x, sigmas, kind, eta, gens, steps=None, keep=(), boundary=
         if boundary is not None:
             boundary()
         v = velocity(x, sigmas[i].expand(B).to(x.device))  # (B, C, F, h, w)
-        z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)  # (B, ...)
+        z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
         st = step(x, v, sigmas[i].item(), sigmas[i + 1].item(), noise=z,
                   kind=kind if steps is None or i in steps else 'ode', eta=eta)
         x = st.x_next
-        now = dict(xs=x, means=st.mean, stds=st.std, logps=st.logp if st.logp is not None else x.new_zeros(B))
+        logp = st.logp if st.logp is not None else x.new_zeros(B)  # (B,) 0 at an ODE step
+        now = dict(xs=x, means=st.mean, stds=st.std, logps=logp)
         for k in kept:
             kept[k].append(now[k])
     return x, {k: torch.stack(v, 1) for k, v in kept.items()} if kept else None

@@ -9,9 +9,8 @@ the KL is high (docs/method.md 4.6, 5.5). One iteration is the loop at the botto
 function above it. The released code's switches and the add-ons are off and act at named seams
 (extras/variants.py); the machinery (ranks, checkpoints, evaluation, logs) is one call each.
 
-    python train.py config/toy.py                          # the toy world on a CPU, minutes
-    torchrun --nproc_per_node=2 train.py config/toy.py     # its FSDP path on CPU (gloo)
-    torchrun --nproc_per_node=8 train.py                   # HunyuanVideo 1.5 480p + VideoAlign
+    python train.py config/toy.py             # the toy world on a CPU (torchrun: its FSDP path)
+    torchrun --nproc_per_node=8 train.py      # HunyuanVideo 1.5 480p + VideoAlign
 """
 import functools
 import json
@@ -27,10 +26,11 @@ import sde
 import trust_region as tr
 from extras import credit as tvrl, diagnostics, metrics, preflight, variants
 from infra import finite, parallel, prompt_cache, rundir, sp
+from infra.anchor import Anchor
 from infra.configurator import configure, rules
 from infra.optimizer import build as build_optimizers, clip_grad_norm, zero_grad
 from infra.preemption import Preemption
-from models import attention as attention_lib, export, family, videoalign
+from models import attention as attention_lib, export, family, policy as policy_lib, videoalign
 from models import evaluate as evaluation
 from models.policy import PASS_KINDS, count_passes, encode_prompts, generators, guided_text, \
     latent_shape, load_decoder, load_policy, noise, seed_of, velocity
@@ -76,12 +76,8 @@ reward_model = 'videoalign'     # models/videoalign.py REWARDS: 'videoalign' | '
 videoalign_dir = 'weights/VideoReward'     # hf download KwaiVGI/VideoReward --local-dir ...
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'  # hf download Qwen/Qwen2-VL-2B-Instruct ...
 lora_rank = 0                   # 0: full fine-tuning; > 0: LoRA adapters of this rank
-experts = 'both'                # Wan 2.2 A14B's experts that train: 'both' | 'high' | 'low'
-gradient_checkpointing = True   # recompute block activations in backward
-attention = 'valid_tokens'      # the blocks' attention: padding left out (models/attention.py)
-attention_backend = 'native'    # diffusers' attention backend: 'native', '_native_flash', ...
 eval_every = 25                 # iterations between held-out evaluations (and at start and end)
-# scale (the plumbing's settings: infra/parallel.py, infra/rundir.py, extras/diagnostics.py)
+# scale (the kernels' and plumbing's settings: models/policy.py, infra/parallel.py, infra/rundir.py)
 out_dir = 'out'                 # checkpoints, metrics.jsonl, eval videos, prompt cache
 init_from = 'auto'              # 'auto': continue out_dir's run, else new | 'scratch' | 'resume'
 max_iters = 300                 # rollout batches
@@ -92,8 +88,8 @@ save_every = 50                 # iterations between checkpoints (also: after th
 device = 'cuda'                 # 'cuda' or 'cpu'
 sp_size = 1                     # ranks of a node sharing one video's tokens (infra/sp.py)
 seed = 0
-config = configure(globals(), sections=(variants, evaluation, parallel, rundir, diagnostics),
-                   rules=rules(sde, eq, tr, tvrl, metrics, attention_lib, videoalign, variants))
+config = configure(globals(), rules=rules(sde, eq, tr, tvrl, metrics, attention_lib, videoalign),
+                   sections=(variants, evaluation, policy_lib, parallel, rundir, diagnostics))
 variants.check()
 # -----------------------------------------------------------------------------
 
@@ -112,23 +108,20 @@ train_list, prompt_seeds = prompt_cache.read_prompts(train_prompts)
 eval_list, _ = prompt_cache.read_prompts(eval_prompts)
 ckpts, history = preflight.start(config, master, quiet)  # out_dir claimed; paths, disk, sp
 
-# the models: the reward first (a broken one costs seconds, not the policy's load), the prompt
-# embeddings (rank 0 encodes them into out_dir's cache), the policy, its optimizer, trust region
+# the models: the reward first (seconds, not the policy's load), the prompts' embeddings, the policy
 fam = family(model)  # the model family's file: the interface in models/__init__.py
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): no weights read
 reward_fn, manifold_distance = preflight.reward_first(config, device, fam)  # one clip scored
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
                                  set(train_list) | set(eval_list) | {negative_prompt},
                                  encode_prompts, device, master, parallel.solo_timeout)
-policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, experts=experts,
-                     checkpointing=gradient_checkpointing, attention=attention,
-                     backend=attention_backend, solo_timeout=parallel.solo_timeout, sp_mesh=sp_mesh,
-                     mesh=parallel.fsdp_mesh(world, shard_size, device) if ddp else None)
+policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, **policy_lib.kernels(),
+                     mesh=parallel.fsdp_mesh(world, shard_size, device) if ddp else None,
+                     sp_mesh=sp_mesh, solo_timeout=parallel.solo_timeout)  # sharded, kernels set
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
-anchor = tr.Anchor(policy, strategy=kl_strategy, every=anchor_every)  # sharded like the policy
-controller = tr.KLController(lam_init=kl_init, lam_min=kl_min, lam_max=kl_max, target=kl_target,
-                             warmup=kl_warmup, direction=kl_direction,
-                             ratio_target=variants.kl_ratio_target)  # lambda_KL
+anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # infra/anchor.py: sharded
+controller = variants.lambda_controller(  # lambda_KL (kl_ratio_target: a hold of the ratio instead)
+    tr.KLController(kl_init, kl_min, kl_max, kl_target, kl_warmup, direction=kl_direction))
 kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  # 0: a term off
 decode = load_decoder(model, device)
 score_fn = variants.scorer(reward_fn, reward_weights, shape)  # reward_fn (tvrl: and its credit)
@@ -138,30 +131,25 @@ n_train = max(1, round(timestep_fraction * len(variants.window(stochastic_steps,
 on_policy = updates_per_iter == 1  # every micro-batch's forward is at theta_old (step_loss)
 nonfinite = diagnostics.NonFinite(rundir.nonfinite_stop, out_dir)  # skips NaN steps; a row stops
 
-# the run's state: new, or out_dir's newest intact checkpoint (each rank reads its shards); the
-# held-out evaluation and the reward-hacking alarm, against the data or the base model
-alarm = evaluation.Alarm(evaluation.alarm_z)
+# the run's state: new, or out_dir's newest intact checkpoint (each rank reads its shards)
+alarm = evaluation.Alarm(evaluation.alarm_z)  # reward hacking: against the data, or the base model
 run = rundir.Run(out_dir, rundir.keep_checkpoints, policy, optimizers, anchor, PASS_KINDS,
                  dict(world=world, config=config), controller=controller, alarm=alarm)
 run.resume(ckpts, log=quiet)  # run.iter_num, .opt_steps, .passes (all ranks'), .eval_owed
 text_for = functools.partial(guided_text, text_cache, negative=negative_prompt, device=device)
-E = evaluation
-evaluate = E.HeldOut(eval_list, E.eval_samples, seed=seed, cfg=cfg, shape=shape, text_for=text_for,
-                     sigmas=sde.sigmas(E.eval_steps or num_steps, shift).to(device), fps=fps,
-                     batch=rollout_batch, decode=decode, reward_fn=reward_fn, passes=run.passes,
-                     reward_weights=reward_weights, manifold_distance=manifold_distance,
-                     visual=metrics.load_watchers(E.eval_metrics, E.clip_dir, E.pickscore_dir),
-                     move_visual=metrics.move, out_dir=out_dir, videos=E.eval_videos, device=device,
-                     dp_rank=dp_rank, dp_world=dp_world, leads=rank % sp_size == 0,
-                     preemption=preemption)
+evaluate = evaluation.HeldOut.of_config(  # the held-out ODE samples, scored and watched
+    dict(config, device=device), eval_list, shape=shape, text_for=text_for, decode=decode,
+    reward_fn=reward_fn, manifold_distance=manifold_distance, passes=run.passes,
+    visual=metrics.watchers_of(config),
+    move_visual=metrics.move, dp_rank=dp_rank, dp_world=dp_world, leads=rank % sp_size == 0,
+    preemption=preemption)
 
 # ----------------------------------------------------------------------------- the phases
 def trained_steps(it):
     """This iteration's stochastic steps (every one: they all train), and S_t of each step (N,)."""
     steps = variants.window(stochastic_steps, seed_of(seed, 'window', it))  # sde_window: a window
-    s_t = eq.scales(sampler, sigmas, eta, variants.median, steps) if equalizer else \
-        torch.ones(num_steps)
-    return steps, s_t.to(device)
+    s_t = eq.scales(sampler, sigmas, eta, variants.median, steps)  # (N,)
+    return steps, (s_t if equalizer else torch.ones(num_steps)).to(device)  # equalizer off: 1
 
 def rollout(it, steps):
     """G videos a prompt, x_1 ~ N(0, I) to x_0: every step's latent 'xs' (n, N+1, C, F, h, w)
@@ -243,31 +231,30 @@ def step_loss(videos, b, t, s_t, lam, denom):
     return loss, dict(policy=policy_term, kl=kl, kl_pos=kl_pos, kl_vel=kl_vel, ratio=ratio,
                       adv=adv, valid=valid, logp=new.logp)
 
-def recompute_old(videos, order, micro_batches, stats):
-    """updates_per_iter > 1 only: the old log-probs and means at theta_old, recomputed in the
-    update's batch shape, so the ratio measures the policy's move, not another shape's rounding."""
-    with torch.no_grad():
-        for b, k in micro_batches(list(range(n_local))):
-            old, t = policy_step(videos, b, order[b, k]), order[b, k]
-            if any(videos['finite'][i] for i in b):  # else a stand-in: it joins FSDP's passes
-                stats.drifted((old.logp - videos['logps'][b, t]).abs())
-                videos['logps'][b, t], videos['means'][b, t] = old.logp, old.mean
-    count_passes(run.passes, ('old',), device)
-
 def update(videos, batch, steps, s_t):
     """Every trained step of every video (a random order each) in updates_per_iter optimizer steps:
     the losses' backward, the gradient clip, the step, lambda_KL, the anchor; the log's figures."""
     order = torch.stack([torch.tensor(steps)[torch.randperm(len(steps), generator=torch.Generator()
                          .manual_seed(seed_of(seed, 'order', run.iter_num, i)))[:n_train]]
                          for i in video_ids])  # (n, n_train) the trained steps of each video
+    def terms_at(t):  # a fresh forward of video 0 at step t, for the diagnostics
+        return step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
+    diag = diagnostics.gradient_norms_due(  # every diag_every, one clip's 4-pass norms first; off
+        run.iter_num, terms_at, steps, s_t, controller.value, (kl_pos_weight, kl_vel_weight),
+        optimizers, world * (dp_rank == 0), preemption.point, run.passes, device)  # x world: FSDP
     stats = diagnostics.UpdateStats(max(1, sum(videos['finite'])) * n_train, clip_range, on_policy)
-    split = diagnostics.GradientSplit(optimizers, diagnostics.ratio_due(run.iter_num)
-                                      or variants.kl_ratio_target > 0)  # the KL/policy ratio: off
+    split = diagnostics.GradientSplit(optimizers, run.iter_num, always=variants.kl_ratio_target > 0)
     def micro_batches(ids):  # (train_batch videos, one of their steps); every rank runs every pass
         batches = finite.micro_batches(ids, videos['finite'], train_batch, n_train)
         return preemption.points(tqdm(batches, 'update', disable=not master, leave=False))
-    if not on_policy:  # updates_per_iter > 1 only
-        recompute_old(videos, order, micro_batches, stats)
+    if not on_policy:  # several steps a batch: the old log-probs and means at theta_old, in the
+        with torch.no_grad():  # update's batch shape: the ratio measures the move, not the rounding
+            for b, k in micro_batches(list(range(n_local))):
+                old, t = policy_step(videos, b, order[b, k]), order[b, k]
+                if any(videos['finite'][i] for i in b):  # else a stand-in: it joins FSDP's passes
+                    stats.drifted((old.logp - videos['logps'][b, t]).abs())
+                    videos['logps'][b, t], videos['means'][b, t] = old.logp, old.mean
+        count_passes(run.passes, ('old',), device)
     for chunk in [list(range(n_local))[k::updates_per_iter] for k in range(updates_per_iter)]:
         # the loss is the mean over the batch's valid videos x trained steps, this optimizer step's
         # share: summed over micro-batches and steps here, and over ranks by FSDP's gradient average
@@ -296,23 +283,12 @@ def update(videos, batch, steps, s_t):
                 controller.update(parallel.mean_of(kls, device), r1)
             anchor.maybe_refresh(policy, run.opt_steps)  # every anchor_every steps (moving, dual)
     count_passes(run.passes, ('anchor', 'update'), device)
-    return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group),
+    return dict(lambda_kl=controller.value, **stats.row(device, sp_size, dp_group), **diag,
                 nonfinite_clips=finite.count(videos['finite'], device, dp_group))
-
-def gradient_norms(it, videos, steps, s_t):
-    """Every diag_every iterations (off): one clip's 4-pass gradient norms (extras/diagnostics.py)."""
-    def terms_at(t):  # a fresh forward of video 0 at step t
-        return step_loss(videos, [0], torch.tensor([t]), s_t, controller.value, 1.0)[1]
-    def count():
-        count_passes(run.passes, ('diag_anchor', 'diag'), device)
-    return diagnostics.gradient_norms_due(  # dp rank 0's clip 0, its gradient FSDP-averaged: x world
-        it, terms_at, steps, s_t, controller.value, (kl_pos_weight, kl_vel_weight), optimizers,
-        world * (dp_rank == 0), preemption.point, count)
 
 def held_out(it):
     """Evaluate, watch, log; a stop meanwhile checkpoints, and this evaluation is owed on resume."""
-    parallel.reset_peak_memory(device)  # the peak logged is the evaluation's
-    ev = evaluate(policy, it, lambda: run.save(eval_owed=True))
+    ev = evaluate(policy, it, lambda: run.save(eval_owed=True))  # its peak memory, logged below
     watch, line = alarm(it, evaluate.items, evaluate.reference(fam))  # the same on every rank
     log({'iter': it, **{f'eval_{k}': v for k, v in ev.items()}, **watch,
          'peak_mem_gb': parallel.peak_memory_gb(device).max().item()})
@@ -337,10 +313,9 @@ while run.iter_num < max_iters:
     scores = score(videos, steps)                    # {'VQ', 'MQ', 'TA'}: (n,) each
     t2 = time.time()
     videos['adv'], videos['valid'], batch = advantages(scores)  # within each group; NaN: left out
-    diag = gradient_norms(it, videos, steps, s_t)   # one clip's 4-pass gradient norms: off
     row = update(videos, batch, steps, s_t)          # the objective, the step, lambda_KL, anchor
     run.iter_num = it = it + 1                       # metrics.jsonl's row, the console's line:
-    log(dict(iter=it, **diagnostics.reward_row(batch, reward.DIMS), **row, **diag,
+    log(dict(iter=it, **diagnostics.reward_row(batch, reward.DIMS), **row,
              t_rollout=t1 - t0, t_reward=t2 - t1, t_update=time.time() - t2,
              **variants.credit_row(scores, device), **parallel.peak_memory(device),
              **{f'passes_{k}': n for k, n in run.passes.items()}))
@@ -348,8 +323,8 @@ while run.iter_num < max_iters:
         held_out(it)                                # held-out ODE samples, watchers, the alarm
     if run.save_if_due(it, cadence, preemption, max_iters, alarm.halts(evaluation.hack_stop)):
         break  # a stop request (SIGTERM) or a tripped alarm with hack_stop: checkpointed
-if rundir.export_dtype and run.iter_num == max_iters:  # the aligned model, a diffusers directory
-    export.final(out_dir, rundir.export_dtype, parallel.solo_timeout, master, fam.TRANSFORMER)
+export.final(out_dir, rundir.export_dtype, parallel.solo_timeout, master, fam.TRANSFORMER,
+             done=run.iter_num == max_iters)  # the aligned model, a diffusers directory
 preemption.stepped()  # drops its run.save: nothing may hold the FSDP modules past here
 del policy, anchor, run  # their FSDP state holds the process group: freed before it is destroyed
 parallel.close()

@@ -129,7 +129,7 @@ def worker(layers, heads, impl, phase, path, result):
     import torch.distributed as dist
     from infra import checkpoint
     from diffusers import HunyuanVideo15Transformer3DModel as T
-    from trust_region import Anchor
+    from infra.anchor import Anchor
     ddp = 'RANK' in os.environ
     if ddp:
         dist.init_process_group('gloo')

@@ -26,7 +26,7 @@ from bench.fullsize_measure import (GiB, build, inputs, load_config, rollout_ste
                                     velocity)
 from infra.configurator import configure
 from models.policy import shard
-from trust_region import Anchor
+from infra.anchor import Anchor
 
 # ----------------------------------------------------------------------------- settings
 tiny = False                    # --tiny: the check with a small random transformer (tests)

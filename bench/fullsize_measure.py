@@ -75,7 +75,7 @@ from infra.configurator import one_of
 from models.attention import ATTENTIONS
 from models.hunyuan15 import IMAGE_TOKENS, LORA_TARGETS, cp_plan, set_attention
 from models.policy import _cat_text, shard
-from trust_region import Anchor
+from infra.anchor import Anchor
 
 # ----------------------------------------------------------------------------- settings
 # set from the command line of the script that runs the measurement (bench.fullsize, bench.fullsize_gpu

@@ -85,7 +85,7 @@ def update_steps(c, blocks, backend, amp, reps):
     import sde
     from infra.optimizer import build
     from models.policy import shard
-    from trust_region import Anchor
+    from infra.anchor import Anchor
     dev = c['device']
     Fr, H, W = clip(c)
     n = (1000, 256) if cuda(c) else (8, 4)  # both branches fully valid: bench.fullsize's text (its FLOPs)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from infra import parallel
 from infra.optimizer import zero_grad
+from models.policy import count_passes
 
 # ----------------------------------------------------------------------------- settings (train.py's, set as its own)
 diag_every = 0                  # iterations between one clip's 4-pass gradient norms (0: never)
@@ -123,14 +124,14 @@ class GradientSplit:
     the two terms apart (two backward passes of one forward) into separate sums, added back before the
     step (the same gradient, to float rounding); off, backward() is loss.backward().
 
-        split = GradientSplit(optimizers, on)
+        split = GradientSplit(optimizers, it)  # on at ratio_every
         split.backward(loss, terms, denom)  # every micro-batch
         r1 = split.measure(lam)             # before the clip: the ratio at lambda 1 (None: off);
                                             # split.logged: lam * r1, the ratio the step sees"""
 
-    def __init__(self, optimizers, on):
+    def __init__(self, optimizers, it, always=False):  # on every ratio_every iterations, or always
         self.params = [p for o in optimizers for g in o.param_groups for p in g['params']]
-        self.on, self.kl, self.logged = bool(on), None, None
+        self.on, self.kl, self.logged = ratio_due(it) or always, None, None
 
     def backward(self, loss, terms, denom):
         if not self.on:
@@ -195,12 +196,12 @@ class NonFinite:
 
 
 def gradient_norms_due(it, terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary,
-                       count):
-    """gradient_norms() every diag_every iterations ({} otherwise), then count() its passes."""
+                       passes, device):
+    """gradient_norms() every diag_every iterations ({} otherwise), its passes counted in `passes`."""
     if not diag_due(it):
         return {}
     norms = gradient_norms(terms_at, steps, eq_scale, lam, kl_weights, optimizers, weight, boundary)
-    count()
+    count_passes(passes, ('diag_anchor', 'diag'), device)
     return norms
 
 

@@ -153,6 +153,11 @@ def load_metrics(names, clip_dir, pickscore_dir, device='cpu', dtype=torch.float
     return {n: load[n]() for n in names}
 
 
+def watchers_of(config):
+    """load_watchers() of a run's settings: eval_metrics, clip_dir, pickscore_dir."""
+    return load_watchers(config['eval_metrics'], config['clip_dir'], config['pickscore_dir'])
+
+
 def load_watchers(names, clip_dir, pickscore_dir):
     """train.py's watchers, on the CPU until an evaluation moves them (move): load_metrics, and a
     failure to load them one line that says how to switch them off."""

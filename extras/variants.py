@@ -11,12 +11,15 @@ like train.py's own (a config file or --key=value; infra/configurator.py reads t
     advantages: advantages           advantage='per_component' | 'taros': each component in its group
     objective: tr.velocity_kl        kl_estimator='sample': the one-sample velocity KL (released)
     update: lambda_after_backward    kl_update='backward': lambda_KL after every backward (released)
-    update: controller.update(r)     kl_ratio_target > 0: lambda_KL holds the KL/policy gradient ratio
+    setup: lambda_controller         kl_ratio_target > 0: lambda_KL holds the KL/policy gradient ratio
 
 docs/method.md 6.2 argues each released switch's default, 4.3 and 6.3 the add-ons.
 
 Tested by: python -m pytest tests/test_advantage.py tests/test_compute.py tests/test_credit_train.py
 """
+import math
+from collections import deque
+
 import torch
 
 import sde
@@ -92,6 +95,41 @@ def credit_row(scores, device):
 def credit_of(videos, b):
     """The log-prob's per-token weights of videos b (tvrl), or None: the plain mean."""
     return videos['credit'][b] if 'credit' in videos else None
+
+
+class RatioHold:
+    """kl_ratio_target > 0 (docs/method.md 5.6): lambda_KL holds the KL/policy gradient ratio instead
+    of the paper's rule. update(kl, r1) after each optimizer step, r1 its ratio at lambda 1
+    (extras/diagnostics.py GradientSplit); the KL term's gradient is linear in lambda, so
+        value = kl_ratio_target / mean(the last `window` r1)   (lam_init until an r1 is positive),
+    not clipped. The window spans one anchor period at the defaults (10 = anchor_every): r1 is 0 right
+    after a refresh and grows until the next, and its mean over a period is what is held."""
+
+    def __init__(self, lam_init, target, window=10):
+        self.value, self.target, self.updates = lam_init, target, 0
+        self.ratios = deque(maxlen=window)
+
+    def update(self, kl, r1=None):
+        self.updates += 1
+        if r1 is not None and math.isfinite(r1):
+            self.ratios.append(float(r1))
+        mean_r1 = sum(self.ratios) / len(self.ratios) if self.ratios else 0.0
+        if mean_r1 > 0:
+            self.value = self.target / mean_r1
+        return self.value
+
+    def state_dict(self):
+        return {'value': self.value, 'updates': self.updates, 'ratios': list(self.ratios)}
+
+    def load_state_dict(self, sd):
+        self.value, self.updates = float(sd['value']), int(sd['updates'])
+        self.ratios.clear()
+        self.ratios.extend(float(r) for r in sd.get('ratios', ()))
+
+
+def lambda_controller(controller):
+    """The paper's KLController, or with kl_ratio_target > 0 a RatioHold from its lam_init."""
+    return RatioHold(controller.lam_init, kl_ratio_target) if kl_ratio_target > 0 else controller
 
 
 def lambda_after_backward(controller, kl):

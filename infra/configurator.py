@@ -135,6 +135,9 @@ def rules(*modules):
     return out
 
 
+_rules_of = rules  # configure()'s argument `rules` shadows the function's name there
+
+
 def check(settings, rules=RULES, defaults=None):
     """SystemExit with one line for the first setting whose value breaks its rule. A rule of a tuple of
     settings, (names): test(*values) -> None or why not, checks them together."""
@@ -217,5 +220,5 @@ def configure(g, argv=None, rules=None, sections=()):
         for key, value in updates.items():
             value = _check(key, value, settings)
             owner.get(key, g)[key] = settings[key] = value
-    check(settings, {**RULES, **(rules or {})}, defaults)
+    check(settings, {**RULES, **_rules_of(*sections), **(rules or {})}, defaults)  # sections' rules too
     return settings

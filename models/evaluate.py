@@ -32,7 +32,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from infra import checkpoint
+import sde
+from infra import checkpoint, parallel
 from models import family_of
 from models.policy import count_passes, generators, noise, sample, save_mp4, seed_of
 from reward import combine
@@ -188,8 +189,18 @@ class HeldOut:
         del self.__dict__['self']
         self.data = None  # the watchers on the data (reference()), once computed
 
+    @classmethod
+    def of_config(cls, config, prompts, **kw):
+        """train.py's: its settings (config) and this module's: the items' seeds, ODE steps, videos."""
+        c = config
+        sigmas = sde.sigmas(eval_steps or c['num_steps'], c['shift']).to(c['device'])
+        return cls(prompts, eval_samples, sigmas=sigmas, videos=eval_videos, seed=c['seed'], cfg=c['cfg'],
+                   fps=c['fps'], batch=c['rollout_batch'], reward_weights=c['reward_weights'],
+                   out_dir=c['out_dir'], device=c['device'], **kw)
+
     def __call__(self, policy, iter_num, save_on_stop):
         """Mean scores of the current policy; save_on_stop: preemption's checkpoint for a stop meanwhile."""
+        parallel.reset_peak_memory(self.device)  # the peak train.py logs is the evaluation's
         self.preemption.begin(save_on_stop)  # a stop: this evaluation runs again on resume
         policy.eval()
         self.move_visual(self.visual, self.device)

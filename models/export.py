@@ -62,10 +62,13 @@ def export(src, dest, dtype=torch.bfloat16):
     return dest
 
 
-def final(out_dir, dtype, solo_timeout, master, transformer):
+def final(out_dir, dtype, solo_timeout, master, transformer, done=True):
     """train.py's export of its last checkpoint to out_dir/export, by rank 0 alone while the others
     wait on the c10d store (solo_timeout), not in a collective (dist_timeout); transformer: the
-    diffusers class that loads it, for the line that says so."""
+    diffusers class that loads it, for the line that says so. Nothing if dtype is '' (export_dtype)
+    or the run stopped before its end (not done)."""
+    if not (dtype and done):
+        return
     from infra import parallel
     dest = os.path.join(out_dir, 'export')
     parallel.solo(lambda: export(out_dir, dest, getattr(torch, dtype)), 'export', solo_timeout)

@@ -26,6 +26,19 @@ from models import family, family_of, hold_frozen
 # all-gather); velocity() only ever applies out-of-place ops to it
 warnings.filterwarnings('ignore', message='FSDP2-wrapped module .* returned a view tensor')
 
+# ----------------------------------------------------------------------------- settings (train.py's, set as its own)
+experts = 'both'                # Wan 2.2 A14B's experts that train: 'both' | 'high' | 'low'
+gradient_checkpointing = True   # recompute block activations in backward
+attention = 'valid_tokens'      # the blocks' attention: padding left out (models/attention.py)
+attention_backend = 'native'    # diffusers' attention backend: 'native', '_native_flash', ...
+# -----------------------------------------------------------------------------
+
+
+def kernels():
+    """load_policy's keyword arguments from the settings above (train.py's policy)."""
+    return dict(experts=experts, checkpointing=gradient_checkpointing, attention=attention,
+                backend=attention_backend)
+
 
 def load_transformer(path, device='cpu', meta=False, attention=None, backend=None):
     """The transformer in float32 (the trainer's master weights); on the meta device if meta; its

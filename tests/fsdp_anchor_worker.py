@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from trust_region import Anchor  # noqa: E402
+from infra.anchor import Anchor  # noqa: E402
 
 DIM = 16  # width of the toy model; 16 rows split 8 + 8 over 2 ranks
 

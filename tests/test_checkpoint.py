@@ -120,6 +120,7 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, c
     assert [r['iter'] for r in metrics(out)] == [r['iter'] for r in metrics(ref)]
     assert [r['lambda_kl'] for r in metrics(out) if 'reward' in r] == [r['lambda_kl'] for r in metrics(ref) if 'reward' in r]
     # 6. damaged newest checkpoint and a `latest` naming a gone one: named, skipped, the next one used
+    checkpoint.finish_deletes()  # the rotated-out one, renamed *.deleting, deleted in this process's background
     ck = sorted(d for d in os.listdir(out) if d.startswith('ckpt_') and not d.endswith('.tmp'))
     assert len(ck) == 2  # keep_checkpoints
     shard = os.path.join(out, ck[-1], '__0_0.distcp')
@@ -288,7 +289,7 @@ def test_metadata_unpickler_admits_dcp_metadata_and_nothing_else(tmp_path):
     from models import toy  # noqa: F401  (plugs the toy world into model.py)
     from models.policy import load_policy
     from infra.optimizer import build
-    from trust_region import Anchor
+    from infra.anchor import Anchor
     policy = load_policy('assets/toy', 'cpu')
     opts = build(policy, 'muon', 1e-4, 0.01)
     for p in policy.parameters():
@@ -315,7 +316,7 @@ def test_crafted_metadata_is_refused_where_checkpoints_are_read(tmp_path):
     import zlib
     from models import toy  # noqa: F401  (plugs the toy world into model.py)
     from models.policy import load_policy
-    from trust_region import Anchor
+    from infra.anchor import Anchor
     base = os.path.join(ROOT, 'assets/toy')
     policy = load_policy(base, 'cpu')
     opts = [torch.optim.AdamW(policy.parameters())]

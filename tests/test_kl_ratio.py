@@ -11,6 +11,7 @@ import torch
 
 import trust_region as tr
 from extras.diagnostics import GradientSplit
+from extras.variants import RatioHold
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +54,7 @@ def test_the_split_is_the_brute_force_summed_gradients(n):
     lam, denom = 0.3, float(n)
     net, x, std, x_next, anchor_w, adv = _clips(n)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    split = GradientSplit([opt], on=True)
+    split = GradientSplit([opt], 0, always=True)
     for b in torch.arange(n).split(8):  # micro-batches of 8 clips
         policy, kl = _terms(net, x, std, x_next, anchor_w, adv, b)
         valid = torch.ones(len(b))
@@ -84,7 +85,7 @@ def test_the_split_is_the_brute_force_summed_gradients(n):
 def test_off_is_one_backward_and_measures_nothing():
     net, x, std, x_next, anchor_w, adv = _clips(8)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    split = GradientSplit([opt], on=False)
+    split = GradientSplit([opt], 1)
     policy, kl = _terms(net, x, std, x_next, anchor_w, adv, torch.arange(8))
     loss = (policy + 0.1 * kl).sum() / 8
     split.backward(loss, dict(policy=policy, kl=kl, valid=torch.ones(8)), 8.0)
@@ -98,8 +99,7 @@ def test_ratio_target_holds_the_ratio_over_an_anchor_period():
     # the KL gradient grows with the steps since the anchor's refresh (0 right after it) and is linear
     # in lambda: r1_k = c (k mod 10). The held ratio lambda * r1, averaged over a period, is the target.
     target, c = 0.03, 2.0
-    ctl = tr.KLController(lam_init=1e-7, lam_min=1e-7, lam_max=1e-5, target=1e-5, warmup=100,
-                          ratio_target=target)
+    ctl = RatioHold(lam_init=1e-7, target=target)
     held = []
     for k in range(40):
         r1 = c * (k % 10)
@@ -122,7 +122,7 @@ def test_ratio_target_resumes_bitwise():
         for k in ks:
             ctl.update(kl=0.1 * k, r1=0.5 + (k % 7))
         return ctl.value
-    mk = lambda: tr.KLController(lam_init=1e-3, lam_min=0, lam_max=1, target=1, warmup=0, ratio_target=0.05)
+    mk = lambda: RatioHold(lam_init=1e-3, target=0.05)  # noqa: E731
     straight = mk()
     drive(straight, range(23))
     first = mk()

@@ -22,7 +22,7 @@ import torch
 from extras import metrics
 from infra import parallel
 from models import policy as M
-from trust_region import Anchor
+from infra.anchor import Anchor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_clip import make_tiny_clip  # noqa: E402

@@ -201,7 +201,7 @@ def test_save_mp4_reads_back(tmp_path, H, W):
 
 def test_lora_base_in_bf16_adapters_in_fp32():
     # LoRA on one GPU: the frozen base in bf16 (the default there), adapters, AdamW state, anchor fp32
-    from trust_region import Anchor
+    from infra.anchor import Anchor
     net = model.load_policy('assets/toy', 'cpu', lora_rank=4, base_dtype=torch.bfloat16)
     frozen = [p for p in net.parameters() if not p.requires_grad]
     trained = [p for p in net.parameters() if p.requires_grad]

@@ -88,7 +88,7 @@ def test_hsdp_2x2_sp2_equals_one_process_and_checkpoints_hold_every_shard(tmp_pa
     from models import toy  # noqa: F401
     from models.policy import load_policy
     from infra.optimizer import build
-    from trust_region import Anchor
+    from infra.anchor import Anchor
     policy = load_policy(str(tmp_path / 'toy2'), 'cpu')
     opts, anchor = build(policy, 'muon', 1e-5, 0.01), Anchor(policy, 'dual', every=10)
     assert checkpoint.load(newest, policy, opts, anchor)['iter_num'] == 3

@@ -1,7 +1,7 @@
 """
 The run's state and its guards, each against something written here. python -m pytest tests/test_run_guards.py
 - infra/rundir.Run: the optimizer-step count comes back on resume, so a moving anchor's refresh cadence
-  (trust_region.Anchor, every 3 optimizer steps) continues: a run saved after step 4 and resumed equals a
+  (infra.anchor.Anchor, every 3 optimizer steps) continues: a run saved after step 4 and resumed equals a
   straight run of 8 steps, the anchor after every step included (a count restarted at 0 would refresh it
   at step 7, not 6); the transformer passes, whether an evaluation is owed and the parts' state come
   back too;
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import trust_region as tr
+from infra.anchor import Anchor
 from extras import diagnostics
 from infra import checkpoint, rundir
 
@@ -30,7 +31,7 @@ def built(out):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    anchor = tr.Anchor(model, 'moving', every=3)
+    anchor = Anchor(model, 'moving', every=3)
     return rundir.Run(out, 3, model, [opt], anchor, ('rollout',), dict(config={})), model, opt, anchor
 
 
@@ -153,7 +154,7 @@ def test_resume_restores_the_passes_the_owed_evaluation_and_the_parts(tmp_path):
     def new():
         model = torch.nn.Linear(3, 2)
         opt = torch.optim.AdamW(model.parameters())
-        return rundir.Run(out, 2, model, [opt], tr.Anchor(model, 'none', 1), ('rollout', 'update'),
+        return rundir.Run(out, 2, model, [opt], Anchor(model, 'none', 1), ('rollout', 'update'),
                           dict(config={}), controller=Part())
     run = new()
     assert run.eval_owed and run.passes == dict(rollout=0, update=0)  # a new run owes the base model's evaluation

@@ -11,6 +11,7 @@ import torch.nn as nn
 from peft import LoraConfig, get_peft_model
 
 import trust_region as tr
+from infra.anchor import Anchor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
 # the schedule of docs/method.md 5.5 (train.py's kl_init, kl_min, kl_max, kl_target, kl_warmup)
@@ -182,7 +183,7 @@ def sgd_step(model, x):
 
 def test_anchor_plain_module():
     model, x = mlp(), torch.randn(4, 6)
-    anchor = tr.Anchor(model, 'dual', every=10)
+    anchor = Anchor(model, 'dual', every=10)
     assert anchor.weights.keys() == dict(model.named_parameters()).keys()
     with anchor.applied(model):
         assert torch.equal(model(x), model(x).detach())
@@ -206,7 +207,7 @@ def test_anchor_plain_module():
     with anchor.applied(model):
         assert torch.equal(model(x), y_policy)
     # state_dict round trip into a fresh anchor of another state
-    other = tr.Anchor(mlp(), 'moving', every=10)
+    other = Anchor(mlp(), 'moving', every=10)
     other.load_state_dict(anchor.state_dict())
     with other.applied(model):
         assert torch.equal(model(x), y_policy)
@@ -214,7 +215,7 @@ def test_anchor_plain_module():
 
 def test_anchor_strategies():
     model, x = mlp(), torch.randn(4, 6)
-    fixed = tr.Anchor(model, 'fixed', every=10)
+    fixed = Anchor(model, 'fixed', every=10)
     y0 = model(x).detach()
     for step in range(1, 31):
         sgd_step(model, x)
@@ -222,20 +223,20 @@ def test_anchor_strategies():
     with fixed.applied(model):
         assert torch.equal(model(x), y0)  # the initial model, forever
     for strategy in ('none', 'stepwise'):  # no anchor needed
-        a = tr.Anchor(model, strategy, every=10)
+        a = Anchor(model, strategy, every=10)
         a.maybe_refresh(model, 10)
         assert a.weights == {} and a.state_dict() == {}
         with pytest.raises(RuntimeError):
             with a.applied(model):
                 pass
     with pytest.raises(ValueError):
-        tr.Anchor(model, 'sliding', every=10)
+        Anchor(model, 'sliding', every=10)
 
 
 def test_anchor_lora_holds_only_adapters():
     model = get_peft_model(mlp(), LoraConfig(r=2, lora_alpha=4, target_modules=['0', '2']))
     lora = {n for n, p in model.named_parameters() if 'lora_' in n}
-    anchor = tr.Anchor(model, 'dual', every=10)
+    anchor = Anchor(model, 'dual', every=10)
     assert anchor.weights.keys() == lora and len(lora) == 4
     x = torch.randn(4, 6)
     with torch.no_grad():
@@ -250,7 +251,7 @@ def test_anchor_lora_holds_only_adapters():
     assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n not in lora)
     sd = anchor.state_dict()
     assert sd.keys() == lora
-    fresh = tr.Anchor(model, 'dual', every=10)
+    fresh = Anchor(model, 'dual', every=10)
     fresh.load_state_dict(sd)
     with fresh.applied(model):
         assert torch.equal(model(x), y_anchor)
