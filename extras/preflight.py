@@ -33,7 +33,7 @@ from infra import checkpoint, parallel, prompt_cache, rundir, sp
 from infra.versions import check as check_versions
 from models import DEFAULT, family, load_family
 from models import videoalign
-from models.policy import latent_shape, transformer_config
+from models.policy import latent_shape, load_decoder, transformer_config
 
 GET_MODEL = 'hf download {} --local-dir {}'  # the model: its family's HUB_ID (models/<family>.py)
 LOCAL = 'weights/HunyuanVideo-1.5-480p_t2v'  # where the README puts it
@@ -146,14 +146,15 @@ def stop_all(lines, when):
 
 def reward_first(config, device, fam=None):
     """(reward_fn, manifold_distance) of config's reward_model (videoalign.load_reward), once it has scored
-    one clip of the run's size (random frames, the first training prompt) to finite scores: called before the policy loads, a reward
+    one clip of the run's size (random latents decoded, the first training prompt) to finite scores: called before the policy loads, a reward
     whose weights, keys or dtype fail stops the run in seconds instead of after the 8.3B load. Collective:
     a rank whose reward fails stops every rank, with its line."""
     c, line, loaded = config, [], (None, None)
     try:
         loaded = videoalign.load_reward(c['reward_model'], c['videoalign_dir'], c['qwen_dir'], device, family=fam)
-        frames = torch.rand(1, c['num_frames'], 3, c['height'], c['width'],  # (B, F, 3, H, W) in [0, 1]
-                            generator=torch.Generator().manual_seed(0)).to(device)
+        shape = latent_shape(c['model'], c['num_frames'], c['height'], c['width'])  # the run's clip:
+        latents = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0)).to(device)
+        frames = load_decoder(c['model'], device)(latents)  # (1, F, 3, H, W), as the family decodes
         prompt = prompt_cache.read_prompts(c['train_prompts'])[0][0]
         scores = loaded[0](frames, [prompt], c['fps'])
         bad = {k: v.tolist() for k, v in scores.items() if torch.is_tensor(v) and not torch.isfinite(v).all()}

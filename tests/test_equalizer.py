@@ -82,3 +82,28 @@ def test_median_settings_match_numpy_and_torch_median(kind, steps):
         assert abs((b[live] / a[live]).mean().item() - 0.1528 / 0.1667) < 2e-3
     with pytest.raises(ValueError):
         equalizer.scales(kind, sig, 0.5, 'upper')
+
+
+@pytest.mark.parametrize('kind', ['dance', 'flow', 'sage', 'cps'])
+def test_sensitivity_is_the_step_means_derivative_by_autograd(kind):
+    # lambda_t = d mean / d v, derived in equalizer.py from sde.correction alone, against autograd
+    # through sde.step's own mean at every step of a schedule (an independent route to the same number)
+    import sde
+    sig = sde.sigmas(10, 3.0)
+    for i in range(10):
+        s, s_next = float(sig[i]), float(sig[i + 1])
+        if sde.variance(kind, s, s_next, 0.7) <= 0:
+            continue
+        v = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
+        x = torch.randn(1, 4, dtype=torch.float64)
+        mean = sde.step(x, v, s, s_next, kind, 0.7, x_next=x.float()).mean
+        g, = torch.autograd.grad(mean.sum(), v)  # the same on every element: d mean_j / d v_j
+        assert g[0, 0].item() == pytest.approx(equalizer.sensitivity(kind, s, s_next, 0.7), rel=1e-5, abs=1e-7)
+
+
+def test_an_unknown_sampler_raises_everywhere():
+    import sde
+    for fn in (lambda: sde.variance('euler_a', 0.5, 0.4, 0.7), lambda: equalizer.sensitivity('euler_a', 0.5, 0.4, 0.7),
+               lambda: sde.correction('euler_a', torch.tensor(0.5), torch.tensor(0.4), torch.tensor(0.01))):
+        with pytest.raises(ValueError):
+            fn()

@@ -79,8 +79,10 @@ def test_the_reward_is_loaded_and_scored_first(monkeypatch):
     monkeypatch.chdir(ROOT)
     from models import family
     fam = family('assets/toy')
-    c = dict(reward_model='world', videoalign_dir='', qwen_dir='', num_frames=9, height=24, width=24, fps=8,
-             train_prompts='assets/toy/train_prompts.txt')  # the toy's
+    # train.py's default size (81x352x624): the toy's family decodes its own clip size from it, and the
+    # clip scored is decoded as the run's are (a clip of the settings' pixel size fails the toy's reward)
+    c = dict(reward_model='world', videoalign_dir='', qwen_dir='', num_frames=81, height=352, width=624, fps=8,
+             train_prompts='assets/toy/train_prompts.txt', model='assets/toy')
     reward_fn, distance = preflight.reward_first(c, 'cpu', fam)
     assert callable(reward_fn) and callable(distance)
 
