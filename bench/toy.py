@@ -160,8 +160,8 @@ def alarm_sentence(evals):
     said = [(r['iter'], r['alarm']) for r in evals if r.get('alarm')]
     if not said:
         return 'The reward-hacking alarm: silent.' if any('alarm' in r for r in evals) else ''
-    return ('The reward-hacking alarm (the composite up while a watcher moves its wrong way beyond its noise, twice '
-            'in a row): ' + '; '.join(f'iteration {i}: {", ".join(names)}' for i, names in said) + '.')
+    return ('The reward-hacking alarm, as it ran then (a watcher judged against the base model, not yet the data: '
+            'docs/method.md 9): ' + '; '.join(f'iteration {i}: {", ".join(names)}' for i, names in said) + '.')
 
 
 # ============================================================================= 5. on paper

@@ -27,9 +27,8 @@ cell's measured ratio.
 
 Writes results/trust_region.md and .json: dual against none at each strength (bench.verdicts' paired protocol:
 positive = the first is better), each strength's dual against the paper's, the identity of the pairs above, the
-velocity term's cells where run, the alarm of every run, and the calibration of the logged ratio (kl_ratio_est).
+velocity term's cells where run, the alarm of every run; 'none' at lower learning rates with AdamW and Muon (the\ntrust region or a smaller step?) and the KL/policy ratio the optimizer sees (GradientSplit, ratio_every).
 """
-import json
 import os
 import sys
 
@@ -60,10 +59,43 @@ PAPER = 'paper'  # the strength label of the paper's schedule
 C.setup(out, threads, budget_min)
 
 
-RATIO_TARGET = 0.02  # kl_ratio_target of the calibration run (docs/method.md 5.6)
-RATIO_RUN = dict(max_iters=30, prompts_per_iter=4, eval_every=0, save_every=0, export_dtype='', diag_every=3,
-                 kl_ratio_target=RATIO_TARGET, seed=0)  # as tests/test_kl_ratio.py's slow test (diag on)
-RATIO_CELL = f'tr_kl_ratio_target-{RATIO_TARGET:g}_p4_it30_s0'
+# the learning rates of 'none' (issue 67: the trust region or a smaller step?), each optimizer's toy default
+# down to about a fifth of it, and dual held at 0.1 with each optimizer at its default
+LRS = dict(adamw=(1e-4, 5e-5, 3e-5, 2e-5), muon=(3e-4, 1.5e-4, 1e-4, 6e-5))
+DEFAULT_LR = dict(adamw=1e-4, muon=3e-4)  # config/toy.py's AdamW; Muon's best in results/README.md (f)
+# the KL/policy ratio the optimizer sees (GradientSplit, every step) where the region acts: dual held at 0.1, and
+# the ratio target's calibration (tests/test_kl_ratio.py's slow test): 20 iterations of bench.paper's cells
+RATIO_RUNS = {'dual @ 0.1 (adamw 1e-4)': dict(kl_strategy='dual', kl_init=0.1, kl_min=0.1, kl_max=0.1, kl_warmup=0),
+              'dual @ 0.1 (muon 3e-4)': dict(kl_strategy='dual', kl_init=0.1, kl_min=0.1, kl_max=0.1, kl_warmup=0,
+                                             optimizer='muon', learning_rate=3e-4)}
+RATIO_COMMON = dict(max_iters=30, prompts_per_iter=8, eval_every=0, save_every=0, export_dtype='', diag_every=0,
+                    ratio_every=1, seed=0)
+
+
+def ratio_cell(label):
+    return 'tr_ratio_' + '_'.join(f'{k}-{v}' for k, v in sorted(RATIO_RUNS[label].items())) + '_p8_it30_s0'
+
+
+def lr_name(x):
+    m, e = f'{x:e}'.split('e')
+    return f'{float(m):g}e{int(e)}'  # 1e-4, 1.5e-4, 6e-5
+
+
+def lr_cells():
+    """{label: overrides} of the learning-rate question: 'none' at each optimizer's rates, dual held at 0.1 at
+    each optimizer's default (AdamW 1e-4's 'none' and dual are the cells above: the same names)."""
+    c = {}
+    for opt, lrs in LRS.items():
+        for lr in lrs:
+            ov = dict(V.REF, kl_strategy='none')
+            if (opt, lr) != ('adamw', 1e-4):
+                ov.update(optimizer=opt, learning_rate=lr)
+            c[f'none, {opt} {lr_name(lr)}'] = ov
+        ov = dict(V.REF, **held(0.1))
+        if opt != 'adamw':
+            ov.update(optimizer=opt, learning_rate=DEFAULT_LR[opt])
+        c[f'dual @ 0.1, {opt} {lr_name(DEFAULT_LR[opt])}'] = ov
+    return c
 
 
 def held(lam):
@@ -98,11 +130,12 @@ def todo(cs):
 
 def train_all(cs):
     common = dict(max_iters=P.iters, prompts_per_iter=P.prompts, eval_every=P.eval_every, save_every=0, eval_videos=0)
-    for key, s in todo(cs)[worker::workers]:  # a cached run is skipped
+    jobs = [(cs[key], s) for key, s in todo(cs)] + [(ov, s) for s in range(seeds) for ov in lr_cells().values()]
+    for ov, s in jobs[worker::workers]:  # a cached run is skipped
         if C.over_budget():
             print(f'over the time budget of {budget_min} min: no new runs', flush=True)
             break
-        C.train(P.name(cs[key], s), dict(common, **cs[key], seed=s))
+        C.train(P.name(ov, s), dict(common, **ov, seed=s))
 
 
 # ----------------------------------------------------------------------------- the report
@@ -208,11 +241,12 @@ def report(cs):
                     ['yes' if keeps else 'no' if cell['n'] else '-'])
     md += [table(['cell', 'seeds'] + [f'Δ {m} vs dual @ paper' for m in METRICS] + ['VQ, manifold >= base'], rows), '']
     md += watchers(res, runs)
-    md += ratio_section(res, runs)
+    md += lr_section(res)
+    md += ratio_section(res)
     return res, md
 
 
-WATCHED = ('saturation', 'brightness', 'edges', 'entropy', 'flicker')  # the frame watchers of models/evaluate.py
+WATCHED = ('saturation', 'brightness', 'edges', 'flicker')  # frame watchers (the cells' entropy: 4 levels, now 5)
 
 
 def watchers(res, runs):
@@ -262,61 +296,98 @@ def identity(runs, res):
             'dual\'s run and step-wise none\'s. Where both cells are cached:', ''] + (lines or ['- none cached yet']) + ['']
 
 
-def ratio_section(res, runs):
-    """kl_ratio_est (at the transition means, every iteration) against the 4-pass parameter-gradient ratio of
-    one clip (kl_grad_ratio, every 3rd iteration) in the calibration run, and how well kl_ratio_target held."""
-    run = C.cached(RATIO_CELL)
-    if run is None:
-        return ['## The logged ratio and kl_ratio_target', '', 'Not run yet (`python -m bench.trust_region`).', '']
-    it = run['iters']
-    both = [(i['kl_grad_ratio'], i['kl_ratio_est']) for i in it if i.get('kl_grad_ratio') and i.get('kl_ratio_est')]
-    factors = sorted(d / e for d, e in both)
-    med = factors[len(factors) // 2] if factors else None
-    late = [i['kl_ratio_est'] for i in it][-20:]
-    held = sum(late) / len(late)
-    lam = [i['lambda_kl'] for i in it]
-    res['ratio'] = dict(cell=RATIO_CELL, target=RATIO_TARGET, late_mean=held, factor_median=med,
-                        factors=factors, lambda_first=lam[1], lambda_last=lam[-1])
-    strengths = {label(k): v['kl_grad_ratio'] for k, v in zip(runs, res['cells'].values()) if v.get('kl_grad_ratio')}
-    md = ['## The logged ratio and kl_ratio_target', '',
-          f'`train.py config/toy.py` with `kl_ratio_target={RATIO_TARGET:g}` ({RATIO_RUN["prompts_per_iter"]} prompts, '
-          f'{RATIO_RUN["max_iters"]} iterations, the 4-pass diagnostics every 3rd): over the last two anchor periods the '
-          f'logged `kl_ratio_est` averages **{held:.4f}** ({held / RATIO_TARGET:.2f} x the target); lambda_KL went '
-          f'{lam[1]:.3g} -> {lam[-1]:.3g} (it keeps rising: as the region holds the policy nearer the anchor, the KL '
-          'and its gradient shrink, and the window of 10 steps lags them).',
-          '',
-          f'The 4-pass ratio of one clip\'s parameter gradients (`kl_grad_ratio`) over `kl_ratio_est`, at the '
-          f'{len(factors)} iterations that have both: median **{med:.2f}** (range {factors[0]:.2f} to {factors[-1]:.2f}): '
-          'the cheap estimate reads about that much lower (docs/method.md 5.6 says why).' if factors else '',
-          '']
-    if strengths:
-        md += ['The 4-pass ratio of each cell above (mean over its runs), and the `kl_ratio_est` it corresponds to '
-               '(divided by the median factor):', '',
-               table(['cell', 'kl_grad_ratio', 'kl_ratio_est equivalent'],
-                     [[k, f'{v:.1e}', f'{v / med:.1e}' if med else '-'] for k, v in strengths.items()]), '']
+def ratio_section(res):
+    """The KL/policy ratio the optimizer sees (GradientSplit: the norms of the step's summed KL-term and
+    policy-term gradients, every step) in short runs where the region acts, and how well kl_ratio_target held."""
+    rows, out = [], {}
+    for label in RATIO_RUNS:
+        run = C.cached(ratio_cell(label))
+        if run is None:
+            rows.append([label, 'not run', '-', '-', '-'])
+            continue
+        r = [i['kl_ratio'] for i in run['iters'] if 'kl_ratio' in i]
+        lam = [i['lambda_kl'] for i in run['iters']]
+        out[label] = dict(mean=sum(r) / len(r), last_period=sum(r[-10:]) / len(r[-10:]), lambda_last=lam[-1],
+                          first_period=sum(r[:10]) / len(r[:10]))
+        rows.append([label, f'{out[label]["first_period"]:.3f}', f'{out[label]["last_period"]:.3f}',
+                     f'{out[label]["mean"]:.3f}', f'{lam[-1]:.3g}'])
+    res['ratio'] = out
+    return ['## The ratio the optimizer sees', '',
+            f'`train.py config/toy.py` {RATIO_COMMON["max_iters"]} iterations of {RATIO_COMMON["prompts_per_iter"]} '
+            'prompts, `ratio_every=1`: the KL term\'s summed gradient over the policy term\'s, in parameter space after '
+            'the ranks\' reduction (extras/diagnostics.py GradientSplit; tests/test_kl_ratio.py checks it against the '
+            'brute-force summed gradients). Mean over the first and the last anchor period (10 steps) and the run; '
+            'lambda_KL at the end:', '',
+            table(['run', 'ratio, iterations 1-10', 'ratio, last 10', 'ratio, mean', 'lambda_KL at the end'], rows), '']
+
+
+def lr_section(res):
+    """Does dual beat the best 'none' at any learning rate, with VQ and the manifold distance held?"""
+    cs = lr_cells()
+    runs = {k: [C.cached(P.name(ov, s)) for s in range(seeds)] for k, ov in cs.items()}
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    rows, cells = [], {}
+    for k, rs in runs.items():
+        ok = [r for r in rs if r]
+        cells[k] = dict(n=len(ok), **{m: mean([late(r, m) for r in ok]) for m in METRICS})
+        rows.append([k, len(ok) or 'not run'] + [('-' if cells[k][m] is None else
+                                                  f'{cells[k][m]:.{4 if m == "manifold" else 3}f}') for m in METRICS])
+    md = ['## The trust region or a smaller step', '',
+          '\'none\' at each optimizer\'s learning rates (its toy default down to about a fifth) beside dual with lambda_KL '
+          'held at 0.1 at the default; bench.paper\'s cells, 60 iterations of 8 prompts x G=4, a run\'s value the mean of '
+          'its evaluations at iterations 40..60:', '',
+          table(['cell', 'seeds'] + list(METRICS), rows), '']
+    verdicts = {}
+    for opt in LRS:
+        dual = f'dual @ 0.1, {opt} {lr_name(DEFAULT_LR[opt])}'
+        nones = [k for k in cs if k.startswith(f'none, {opt} ') and cells[k]['n'] >= 2]
+        if not nones or cells[dual]['n'] < 2:
+            md += [f'**{opt}**: not enough runs yet (dual {cells[dual]["n"]} seeds, none at ' +
+                   ', '.join(f'{k.split()[-1]}: {cells[k]["n"]}' for k in cs if k.startswith(f'none, {opt} ')) + ').', '']
+            continue
+        enough = min(3, max(cells[k]['n'] for k in nones))  # the best: the highest composite of 3 seeds or more
+        best = max([k for k in nones if cells[k]['n'] >= enough], key=lambda k: cells[k]['composite'])
+        rows = []
+        for k in nones:
+            ss = [s for s in range(seeds) if runs[dual][s] and runs[k][s]]
+            cis = {m: V.paired([SIGN[m] * late(runs[dual][s], m) for s in ss], [SIGN[m] * late(runs[k][s], m) for s in ss])
+                   for m in METRICS}
+            verdicts[f'{dual} vs {k}'] = {m: dict(ci, verdict=V.verdict(ci)) for m, ci in cis.items()}
+            rows.append([dual, k + (' (the best none)' if k == best else ''), cis['composite']['n']] +
+                        [P.shown(cis[m], m) for m in METRICS])
+        v = verdicts[f'{dual} vs {best}']
+        wins = v['composite']['verdict'] == 'holds'
+        held_q = all(v[m]['verdict'] != 'fails' for m in ('VQ', 'manifold'))
+        res.setdefault('lr_verdict', {})[opt] = dict(dual=dual, best_none=best, composite=v['composite'],
+                                                      VQ=v['VQ'], manifold=v['manifold'], dual_wins=bool(wins and held_q))
+        md += [f'**{opt}**: dual against each \'none\' (positive = dual is better), paired seeds:', '',
+               table(['cell', 'vs', 'seeds'] + [f'Δ {m} [95%]' for m in METRICS], rows), '',
+               f'Against the best \'none\' ({best}, mean composite {cells[best]["composite"]:.3f}): dual '
+               + ('**beats it**' if wins else '**does not beat it**') + f' ({V.fmt(v["composite"])}, '
+               f'{v["composite"]["n"]} seeds), VQ {V.fmt(v["VQ"])}, manifold {V.fmt(v["manifold"], 4)} '
+               + ('(both held).' if held_q else '(not both held).'), '']
+    res['lr_cells'], res['lr_verdicts'] = cells, verdicts
     return md
 
 
 def readme_lines(res):
-    """The README's line: what the paper's lambda does, and each held strength against none and the paper's."""
-    def part(lam):
-        v = res['verdicts'][str(lam)]
-        ci = next(iter(v.values()))['composite']
-        at = "the paper's" if lam == PAPER else f'held at {lam:g}'
-        if ci['n'] < 2:
-            return f'{at}: {V.verdict(ci)}'
-        c = res['cells'][label(('dual', lam))]
-        return (f'{at} ({c["kl_grad_ratio"]:.0e}): Δ composite '
-                f'{V.fmt(ci)} over {ci["n"]} seeds, VQ {c["VQ"]:.3f}, manifold {c["manifold"]:.4f}')
-    b, w = res['base'], res['watchers']
-    sat = '; '.join(f'{k} {w[k]["saturation"]:.3f}' for k in (label(('dual', PAPER)), label(('dual', LAMS[0]))) if k in w)
-    return [f'- *The trust region* (`python -m bench.trust_region`, 60 iterations of 8 prompts): dual KL against none by '
-            f'paired seeds, at lambda_KL (its KL/policy gradient ratio in brackets) {"; ".join(part(l) for l in [PAPER] + LAMS)} '
-            f'(base model: VQ {b["VQ"]:.3f}, manifold {b["manifold"]:.4f}). At the paper\'s lambda it does not act; moving '
-            'is dual\'s run at the defaults (the exact velocity KL is 0 at theta_old). The alarm names saturation in every '
-            f'run, but it compares with the base model ({w["base"]["saturation"]:.3f}), not the data (clean renders '
-            f'{w["data"]["saturation"]:.3f}): at iteration {P.iters} {sat}. '
-            '[results/trust_region.md](results/trust_region.md), docs/method.md 5.6.']
+    """The README's line: the verdict of the trust region against a smaller step, and what the paper's lambda does."""
+    paper = res['verdicts'][str(PAPER)]
+    ci_paper = next(iter(paper.values()))['composite']
+    parts = []
+    for opt, v in res.get('lr_verdict', {}).items():
+        word = 'beats' if v['dual_wins'] else 'does not beat'
+        parts.append(f'with {opt}, dual held at 0.1 {word} the best \'none\' over learning rates '
+                     f'{lr_name(LRS[opt][0])}..{lr_name(LRS[opt][-1])} ({v["best_none"].split(", ")[1]}: Δ composite '
+                     f'{V.fmt(v["composite"])} over {v["composite"]["n"]} seeds, VQ {V.fmt(v["VQ"])}, manifold '
+                     f'{V.fmt(v["manifold"], 4)})')
+    ratio = res.get('ratio', {})
+    r = '; '.join(f'{k} {v["mean"]:.2f}' for k, v in ratio.items() if k.startswith('dual'))
+    return [f'- *The trust region or a smaller step* (`python -m bench.trust_region`, paired seeds, 60 iterations of 8 '
+            f'prompts): {"; ".join(parts) or "not run yet"}. At the paper\'s lambda_KL it does not act (Δ composite '
+            f'{V.fmt(ci_paper)} against none). The KL/policy ratio the optimizer sees at 0.1 (summed gradients, '
+            f'GradientSplit): {r or "not measured yet"}. [results/trust_region.md](results/trust_region.md), '
+            'docs/method.md 5.6.']
 
 
 if __name__ == '__main__':
@@ -324,9 +395,10 @@ if __name__ == '__main__':
     n_new = sum(C.cached(P.name(ov, s)) is None for ov in cs.values() for s in range(seeds))
     print(f'bench.trust_region: {len(cs)} cells x {seeds} seeds ({n_new} runs not cached); out={out}', flush=True)
     if run:
-        train_all(cs)
         if worker == 0:
-            C.train(RATIO_CELL, RATIO_RUN)
+            for label, ov in RATIO_RUNS.items():
+                C.train(ratio_cell(label), dict(RATIO_COMMON, **ov))
+        train_all(cs)
     res, md = report(cs)
     missing = sum(r is None for ov in cs.values() for r in [C.cached(P.name(ov, s)) for s in range(seeds)])
     if missing:
