@@ -4,7 +4,7 @@ The temporal gradient equalizer of SAGE-GRPO (docs/method.md section 3).
 The gradient of a step's log-prob reaches the network through the mean only:
     d logp / d v = lambda_t (x_next - mean) / std_t^2 / numel,   lambda_t = d mean / d v
 and x_next - mean = std_t z, so its size scales like N_t = |lambda_t| / std_t. Late steps (small
-std, small s) get gradients ~100x larger than early ones. The policy term of step t (not its KL
+std, small s) get gradients ~150x larger than early ones. The policy term of step t (not its KL
 terms, already in units of the step's std) is multiplied by
     S_t = median(N over the iteration's stochastic steps) / N_t
 so every trained step contributes a gradient of about the same size. For sage the largest S_t is

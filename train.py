@@ -7,7 +7,7 @@ with each step's term weighted by the equalizer's S_t, plus lambda_KL times the 
 moving anchor's means); lambda_KL follows the paper's printed rule, which *relaxes* the penalty when
 the KL is high (docs/method.md 4.6, 5.5). One iteration is the loop at the bottom, each phase a
 function above it. The released code's switches and the add-ons are off and act at named seams
-(extras/variants.py); the machinery (ranks, checkpoints, evaluation, logs) is one call each.
+(extras/variants.py); the machinery (ranks, checkpoints, evaluation, logs) is in the folders.
 
     python train.py config/toy.py             # the toy world on a CPU (torchrun: its FSDP path)
     torchrun --nproc_per_node=8 train.py      # HunyuanVideo 1.5 480p + VideoAlign
@@ -41,16 +41,16 @@ sampler = 'sage'                # SDE of the rollouts: 'sage' | 'flow' | 'dance'
 eta = 0.5                       # exploration scale of the SDE noise
 num_steps = 20                  # sampling steps of a rollout (and of the ODE evaluation)
 shift = 5.0                     # sigma-schedule shift (480p: 5, 720p: 9)
-cfg = 6.0                       # classifier-free guidance scale (1.0: one forward per step)
+cfg = 6.0                       # classifier-free guidance scale (1.0: the conditional branch only)
 group_size = 4                  # G: rollouts per prompt, the group of the advantage
 reward_weights = (0.5, 0.5, 1.0)  # (VQ, MQ, TA): Setting B, the paper's main one; A: (1, 1, 1)
-adv_clip = 5.0                  # advantages are clipped to +-adv_clip
+adv_clip = 5.0                  # advantages are clipped to +-adv_clip (|A| <= sqrt(G - 1) anyway)
 equalizer = True                # scale each step's policy loss by S_t (equalizer.py)
 timestep_fraction = 1.0         # fraction of the stochastic steps trained per video
 clip_range = 1e-4               # PPO ratio clip
 updates_per_iter = 1            # optimizer steps per rollout batch (1: theta == theta_old)
 kl_strategy = 'dual'            # 'none' | 'fixed' | 'stepwise' | 'moving' | 'dual'
-anchor_every = 10               # optimizer steps between anchor refreshes (moving, dual)
+anchor_every = 10               # optimizer steps between anchor refreshes (after one: KL_pos 0)
 beta_pos = 1.0                  # weight of the position term KL(theta || anchor)
 beta_vel = 0.1                  # weight of the velocity term KL(theta || theta_old)
 kl_init = 1e-7                  # lambda_KL at the first optimizer step, its warm-up's start
@@ -127,7 +127,7 @@ decode = load_decoder(model, device)
 score_fn = variants.scorer(reward_fn, reward_weights, shape)  # reward_fn (tvrl: and its credit)
 sigmas = sde.sigmas(num_steps, shift).to(device)  # (N + 1,) from 1.0 to 0.0
 stochastic_steps = sde.stochastic_steps(sampler, sigmas, eta)  # only they have noise and train
-n_train = max(1, round(timestep_fraction * len(variants.window(stochastic_steps, 0))))
+n_train = max(1, round(timestep_fraction * variants.window_size(stochastic_steps)))  # a video's
 on_policy = updates_per_iter == 1  # every micro-batch's forward is at theta_old (step_loss)
 nonfinite = diagnostics.NonFinite(rundir.nonfinite_stop, out_dir)  # skips NaN steps; a row stops
 
@@ -146,7 +146,7 @@ evaluate = evaluation.HeldOut.of_config(  # the held-out ODE samples, scored and
 
 # ----------------------------------------------------------------------------- the phases
 def trained_steps(it):
-    """This iteration's stochastic steps (every one: they all train), and S_t of each step (N,)."""
+    """This iteration's stochastic steps (each video trains n_train of them), and S_t (N,)."""
     steps = variants.window(stochastic_steps, seed_of(seed, 'window', it))  # sde_window: a window
     s_t = eq.scales(sampler, sigmas, eta, variants.median, steps)  # (N,)
     return steps, (s_t if equalizer else torch.ones(num_steps)).to(device)  # equalizer off: 1
@@ -160,8 +160,8 @@ def rollout(it, steps):
     for c in tqdm(range(0, n_local, rollout_batch), 'rollout', disable=not master, leave=False):
         ids, ps = video_ids[c:c + rollout_batch], prompts[c:c + rollout_batch]
         gens = generators([seed_of(seed, 'rollout', it, i) for i in ids])  # each video's own noise
-        gens_x1 = variants.initial_noise(gens, ps, ids, prompt_seeds, seed, group_size)  # the same
-        x1 = noise(shape, gens_x1, device)  # (n, C, F, h, w): x_1 ~ N(0, I)
+        gens_x1 = variants.initial_noise(gens, ps, ids, prompt_seeds, seed, group_size)  # gens; off
+        x1 = noise(shape, gens_x1, device)  # (n, C, F, h, w): x_1 ~ N(0, I), then each step's z
         text, text_neg = text_for(ps)
         def v(x, s):  # the guided velocity: classifier-free guidance's two branches in one forward
             return velocity(policy, x, s, text, cfg, text_neg)
@@ -307,7 +307,7 @@ while run.iter_num < max_iters:
     it, t0 = run.iter_num, time.time()
     parallel.reset_peak_memory(device)  # the logged peaks are this iteration's
     preemption.begin(run.save, controller, run.passes)  # a stop saves iteration `it`
-    steps, s_t = trained_steps(it)                  # the SDE's steps, each trained; S_t (N,)
+    steps, s_t = trained_steps(it)                  # the SDE's (stochastic) steps; S_t (N,)
     videos = rollout(it, steps)                      # G videos a prompt: each step's x_t and logp
     t1 = time.time()
     scores = score(videos, steps)                    # {'VQ', 'MQ', 'TA'}: (n,) each

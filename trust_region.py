@@ -74,7 +74,7 @@ class KLController:
         k <= warmup:  lam_init + (lam_max - lam_init) * k / warmup    (step 0 trains with lam_init,
                                                                        step `warmup` with lam_max)
         k >  warmup:  the deadband rule on the mean of the last `window` KLs (warm-up KLs count).
-    (kl_ratio_target replaces the rule by a hold of the gradient ratio: variants.py RatioHold.)
+    (kl_update='backward': after every backward; kl_ratio_target: extras' RatioHold instead.)
     """
 
     def __init__(self, lam_init, lam_min, lam_max, target, warmup, window=WINDOW, high=HIGH,

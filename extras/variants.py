@@ -60,6 +60,11 @@ def window(stochastic, seed):
     return sde.window(stochastic, sde_window, seed)
 
 
+def window_size(stochastic):
+    """How many steps window() returns: sde_window of them, or all."""
+    return min(sde_window, len(stochastic)) if sde_window else len(stochastic)
+
+
 def rollout_keeps(on_policy):
     """What the rollout keeps of each step besides x_t and the log-prob: the means where the update
     reads them (updates_per_iter > 1) or tvrl reweights the log-probs (with the stds)."""
