@@ -6,7 +6,8 @@ A clip whose rollout went non-finite leaves the update (infra/finite.py), in the
 - `python train.py` (one process, run here) with a whole micro-batch of NaN clips: the stand-in still runs its
   forward and backward (every rank runs every pass: counted here), on finite zeroed latents (the optimizer
   step is taken, the gradient finite), and nothing of it reaches the log (no log-prob drift from its zeroed
-  rollout: a stand-in measured as a clip would drift by its whole log-density).
+  rollout: a stand-in measured as a clip would drift by its whole log-density) or lambda_KL (the controller's
+  input is the finite clips' KL, the one logged, once the policy has moved from the anchor).
 The two-rank count (nonfinite_clips over all ranks) is in tests/test_ranks_agree.py.
 
     python -m pytest tests/test_nonfinite.py
@@ -14,8 +15,11 @@ The two-rank count (nonfinite_clips over all ranks) is in tests/test_ranks_agree
 import os
 import sys
 
+import json
+
 import torch
 
+import trust_region as tr
 from infra import finite
 from models import policy as model
 
@@ -58,12 +62,16 @@ def test_a_micro_batch_keeps_its_finite_clips_or_is_a_stand_in():
 
 
 def test_a_micro_batch_of_nan_clips_runs_as_a_stand_in_and_leaves_no_trace(tmp_path, monkeypatch):
-    """G=4, train_batch 2, clips 2 and 3 NaN from step 2: micro-batch [2, 3] has no finite clip. It still
-    runs a forward with grad at each of the 4 trained steps (as many as [0, 1]: FSDP's collectives need every
-    rank in every pass), on finite latents: the step is taken (skipped_steps 0, a finite gradient norm); its
-    zeroed rollout is not logged as a clip: the update's log-probs drift from the rollout's by float noise
-    only (the two finite clips' ones), where a stand-in measured as a clip drifts by a whole log-density."""
+    """G=4, train_batch 2, clips 2 and 3 NaN from step 2, 2 iterations: micro-batch [2, 3] has no finite clip.
+    It still runs a forward with grad at each of the 4 trained steps (as many as [0, 1]: FSDP's collectives
+    need every rank in every pass), on finite latents: the step is taken (skipped_steps 0, a finite gradient
+    norm); its zeroed rollout is not logged as a clip: the update's log-probs drift from the rollout's by float
+    noise only (the two finite clips' ones), where a stand-in measured as a clip drifts by a whole
+    log-density; and lambda_KL moves on the finite clips' KL alone: at iteration 2 (the policy one step from
+    the anchor, KL_pos > 0) the controller's input is the logged KL, the mean over the finite clips."""
     nan_rollouts(monkeypatch, [2, 3])
+    kls, update = [], tr.KLController.update
+    monkeypatch.setattr(tr.KLController, 'update', lambda self, kl, *a, **k: kls.append(kl) or update(self, kl, *a, **k))
     passes, inner = [], model.velocity
 
     def counted(net, x, *a, **kw):  # the clips of each forward with grad: the update's
@@ -72,10 +80,15 @@ def test_a_micro_batch_of_nan_clips_runs_as_a_stand_in_and_leaves_no_trace(tmp_p
         return inner(net, x, *a, **kw)
     monkeypatch.setattr(model, 'velocity', counted)
     out = str(tmp_path / 'standin')
-    run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=1', '--diag_every=0', '--prompts_per_iter=1',
+    run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=2', '--diag_every=0', '--prompts_per_iter=1',
                                    '--group_size=4', '--timestep_fraction=1.0', '--save_every=0', '--export_dtype='])
-    (row,) = [r for r in metrics(out) if 'reward' in r]
-    assert row['nonfinite_clips'] == 2 and row['nan_rewards'] == 2, row
-    assert row['skipped_steps'] == 0 and 0 < row['grad_norm'] < float('inf'), row
-    assert passes == [2] * 8, passes  # [0, 1] and the stand-in [2, 3], at each of the 4 steps
-    assert row['logp_drift_max'] < 1e-3, row
+    rows = [r for r in metrics(out) if 'reward' in r]
+    for row in rows:
+        assert row['nonfinite_clips'] == 2 and row['nan_rewards'] == 2, row
+        assert row['skipped_steps'] == 0 and 0 < row['grad_norm'] < float('inf'), row
+        assert row['logp_drift_max'] < 1e-3, row
+    assert passes == [2] * 16, passes  # [0, 1] and the stand-in [2, 3], at each of the 4 steps, twice
+    c = json.load(open(os.path.join(out, 'config.json')))['settings']
+    w_pos, w_vel = tr.kl_weights(c['kl_strategy'], c['beta_pos'], c['beta_vel'])
+    logged = w_pos * rows[1]['kl_pos'] + w_vel * rows[1]['kl_vel']  # the mean over the finite clips' terms
+    assert len(kls) == 2 and logged > 0 and abs(kls[1] - logged) <= 1e-5 * logged, (kls, logged)
