@@ -228,7 +228,7 @@ class NoPreemption:  # preemption.Preemption without its signal handlers (they w
     def stepped(self):
         pass
 
-    def requested(self, device):
+    def requested(self, device=None):
         return False
 
 
