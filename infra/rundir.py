@@ -283,7 +283,7 @@ class Run:
         iterations and save_every_min minutes (cadence), at the last, on a stop request (SIGTERM:
         every rank asks once an iteration) and at halt (a tripped alarm with hack_stop). True: the
         run stops here."""
-        stop = preemption.requested()
+        stop = preemption.requested(cadence.device)
         if cadence.due(it) or it == last or stop or halt:  # due() first: a collective on every rank
             self.save()
         if stop and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -43,7 +43,15 @@ def test_an_untested_version_is_one_line_not_an_error(monkeypatch):
     assert 'diffusers 0.43.0.dev0' in versions.untested()
 
 
-def test_train_says_it_at_start_up():
-    # rank 0 only: train.py's quiet() prints on the master alone
+def test_train_says_it_at_start_up(monkeypatch):
+    # preflight.start, train.py's start-up checks, says it through the log it is given (train.py's quiet():
+    # the master alone prints), before anything loads
+    from extras import preflight
     src = open(os.path.join(ROOT, 'train.py')).read()
-    assert 'check_versions(quiet)' in src
+    assert 'preflight.start(config, master, quiet)' in src
+    said = []
+    monkeypatch.setattr(preflight, 'check_versions', lambda log: log('diffusers 9.9 (tested: >=0.42,<0.43)'))
+    monkeypatch.setattr(preflight.rundir, 'claim', lambda config, master, log: ('ckpts', 'history'))
+    monkeypatch.setattr(preflight, 'check', lambda config: None)
+    assert preflight.start(dict(out_dir=ROOT), True, said.append) == ('ckpts', 'history')
+    assert said == ['diffusers 9.9 (tested: >=0.42,<0.43)']
