@@ -22,7 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _rank(rank, port, out):
     """One rank of the pair: each behaviour's result into out/<rank>.json (imports here: a spawned child
     imports this file, so its top stays light)."""
-    import torch
     import torch.distributed as dist
     from extras import preflight
     from infra import finite, rundir
@@ -50,7 +49,6 @@ def _rank(rank, port, out):
     with open(os.path.join(out, f'{rank}.json'), 'w') as f:
         json.dump(seen, f)
     dist.destroy_process_group()
-    del torch
 
 
 @pytest.fixture(scope='module')
