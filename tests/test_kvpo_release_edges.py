@@ -13,7 +13,9 @@ here. python -m pytest tests/test_kvpo_release_edges.py
   routed as the window replays to a TVE of 0 with a zero gradient (theta == theta_old: nothing to move);
 - kvpo.train run as a user runs it (the distilled toy, 2 videos an iteration, 2 iterations): the shuffled control
   draws its own permutation for every video (iteration and video), and constant_with_warmup's learning rate
-  is diffusers' own schedule stepped every old_every rollouts (logged lr: the first window of 2 rollouts at 0).
+  is diffusers' own schedule stepped every old_every rollouts (logged lr: the first window of 2 rollouts at 0);
+  GRPO-SDE's control beside it (kvpo/grpo_ar.py, its advantages phase): each group its own permutation of its
+  own advantages, by iteration and prompt.
 """
 import json
 import os
@@ -166,3 +168,20 @@ def test_kvpo_train_shuffles_each_video_and_steps_the_schedule_every_old_every(t
             opt.step()
             sched.step()
     assert [r['lr'] for r in metrics(out) if 'loss' in r] == pytest.approx(want, abs=1e-12)
+
+
+def test_grpo_ar_shuffles_each_group_with_its_own_draw(tmp_path):
+    from test_kvpo_edges import setup
+    import reward
+    G = setup('kvpo.grpo_ar', ['kvpo/config/grpo_toy.py', '--prompts_per_iter=1', '--group=6', '--adv_shuffle=True'],
+              str(tmp_path / 'run'))
+    sc = {k: torch.linspace(0, 1, 6) ** (i + 1) for i, k in enumerate(reward.DIMS)}  # distinct composites
+    real = reward.group_advantages(reward.combine(sc, G['reward_weights'])[None], G['adv_clip'])[0][0]
+    assert len(set(real.tolist())) == 6
+    perms = []
+    for it, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        adv = G['advantages'](sc, it, j)[0].cpu()
+        perm = [real.tolist().index(a) for a in adv.tolist()]  # where each of the real advantages went
+        assert sorted(perm) == list(range(6)), (it, j, adv, real)
+        perms.append(tuple(perm))
+    assert len(set(perms)) == 4, perms  # every (iteration, prompt) its own draw (720 permutations)
