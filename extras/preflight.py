@@ -146,9 +146,12 @@ def stop_all(lines, when):
 
 def reward_first(config, device, fam=None):
     """(reward_fn, manifold_distance) of config's reward_model (videoalign.load_reward), once it has scored
-    one clip of the run's size (random latents decoded, the first training prompt) to finite scores: called before the policy loads, a reward
-    whose weights, keys or dtype fail stops the run in seconds instead of after the 8.3B load. Collective:
-    a rank whose reward fails stops every rank, with its line."""
+    one clip of the run's size (random latents decoded, the first training prompt): called before the
+    policy loads, a reward whose weights, keys or dtype fail stops the run in seconds instead of after
+    the 8.3B load. Collective: a rank whose reward raises stops every rank, with its line. A non-finite
+    score is one warning line, not a stop: a clip the reward cannot score is the method's NaN reward
+    (it leaves its group), and a reward that scores every clip NaN stops the run at its first
+    iteration, before any weight moves (reward.check_valid)."""
     c, line, loaded = config, [], (None, None)
     try:
         loaded = videoalign.load_reward(c['reward_model'], c['videoalign_dir'], c['qwen_dir'], device, family=fam)
@@ -159,8 +162,8 @@ def reward_first(config, device, fam=None):
         scores = loaded[0](frames, [prompt], c['fps'])
         bad = {k: v.tolist() for k, v in scores.items() if torch.is_tensor(v) and not torch.isfinite(v).all()}
         if bad:
-            line = [f'reward_model {c["reward_model"]!r} scored a {c["num_frames"]}x{c["height"]}x{c["width"]} '
-                    f'clip non-finite: {bad}']
+            print(f'warning: reward_model {c["reward_model"]!r} scored a random {c["num_frames"]}x{c["height"]}x'
+                  f'{c["width"]} clip non-finite: {bad}', flush=True)
     except Exception as e:  # the traceback on this rank's log; one line on every rank
         traceback.print_exc()
         line = [f'reward_model {c["reward_model"]!r} (videoalign_dir {c["videoalign_dir"]!r}, qwen_dir '

@@ -80,8 +80,9 @@ def test_grouping_matches_group_advantages_per_prompt_across_two_ranks(tmp_path)
     logs = [json.load(open(f'{rec}_{r}.json')) for r in range(2)]
     train_prompts = set(open(os.path.join(ROOT, 'assets/toy/train_prompts.txt')).read().split('\n'))
     prompts, r = [], []
-    for log in logs:  # the rollout's reward call of each rank (the others are held-out evaluations)
-        call, = [c for c in log['rewards'] if set(c['prompts']) <= train_prompts]
+    for log in logs:  # the rollout's reward call of each rank (the others: held-out evaluations, and
+        # preflight's one clip scored before the policy loads)
+        call, = [c for c in log['rewards'] if set(c['prompts']) <= train_prompts and len(c['prompts']) > 1]
         prompts += call['prompts']
         r += combine({k: torch.tensor(call[k]) for k in ('VQ', 'MQ', 'TA')}, SETTING_B).tolist()  # train.py's weights
     assert len(prompts) == 6 and len(set(prompts)) == 3
