@@ -2,8 +2,8 @@
 The story world (streaming/toy_story.py, issue 69): what its streaming students reach, and what a KVPO group carries
 there before any update, beside GRPO-SDE's.
 
-    python -m bench.toy_story quality    # results/toy_story_quality.md/.json (~5 min, one thread)
-    python -m bench.toy_story signal [--model=out-toy-story/ode_init]   # results/toy_story_signal.md/.json (~5 min)
+    python -m bench.toy_story quality    # its block of results/toy_story.md, toy_story_quality.json, the sheets (~5 min)
+    python -m bench.toy_story signal [--model=out-toy-story/ode_init]   # its block, toy_story_signal*.json (~10 min)
 
 quality: the 16 held-out captions x `samples` seeds, the same noise for every model (sample i: seed i, re-noising
 generator 10^6 + i), as 9-frame clips (the base's benchmark: composite 0.5 VQ + 0.5 MQ + TA, thirds = frames 0-2 and
@@ -26,7 +26,9 @@ import sys
 
 import torch
 
-from bench.common import table, write_report
+import json
+
+from bench.common import put_block, table
 from infra.configurator import configure
 from kvpo import kvpo, sde_ar
 from models import toy
@@ -37,9 +39,14 @@ from streaming import toy_story as ts
 
 samples = 4                     # seeds per held-out caption (quality)
 videos = 48                     # stories (signal)
+runs = 'out-toy-story'           # where streaming/toy_story*.py trained (teacher/, ode_init/, student/, logs)
 model = 'out-toy-story/student'  # the untrained student of the signal (out-toy-story/ode_init: stage 1 alone)
 K, M, P = 6, 1, 2               # KVPO's branches, nearest frames, routed blocks (kvpo/config/toy.py)
 ETA = 0.5                       # GRPO-SDE's SAGE scale (kvpo/config/grpo_toy.py)
+SHORT = {'base (sample.py: 10 steps, cfg 1)': 'base', 'story teacher (10 steps, cfg 1)': 'teacher',
+         'story teacher (16 steps, cfg 3)': 'teach cfg3', 'teacher run causally (4 steps)': 'causal',
+         'student, stage 1 (ODE pairs)': 'stage 1', 'student, stage 2 (DMD, probe-best)': 'stage 2',
+         'toy_sf (committed distilled toy)': 'toy_sf'}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -75,7 +82,7 @@ def quality():
     gens = lambda: [torch.Generator().manual_seed(10 ** 6 + i) for i in range(n)]  # noqa: E731
     clip_text, story_text = ts.encode(caps)[:, None], ts.encode_stories(stories)
     noise9, noise16 = ts._noise(n, toy.FRAMES), ts._noise(n, ts.FRAMES)
-    out = os.path.join(ROOT, ts.DIR)
+    out = os.path.join(ROOT, runs)
     clips, story = {}, {}
     base = toy.load_model()
     clips['base (sample.py: 10 steps, cfg 1)'] = toy.sample(base, caps, range(n), steps=10, shift=3.0, cfg=1.0)
@@ -102,7 +109,7 @@ def quality():
     ks = ['composite', 'VQ', 'MQ', 'TA', 'colour', 'shape', 'direction', 'first_segment', 'last_segment',
           'last_over_first']
     best = rows_c.get('student, stage 2 (DMD, probe-best)') or rows_c.get('student, stage 1 (ODE pairs)')
-    md = ['# The story toy (streaming/toy_story.py): its teacher and streaming students', '',
+    md = ['## The story toy\'s teacher and streaming students', '',
           f'Written by `python -m bench.toy_story quality`: the 16 held-out captions x {samples} seeds, the same noise for '
           'every model. Students: the released 4-step sampler (sigmas 1, .9375, .8333, .625, fresh re-noising; block 1, '
           'sink 1, window 4). Missing rows: that stage was not trained (out-toy-story/ holds what was).', '',
@@ -118,7 +125,28 @@ def quality():
                        'yes' if best['composite'] >= 0.8 * b else 'NO'],
                       ['last third >= 0.9 x the first', f'{best["last_over_first"]:.4f}', '0.9000',
                        'yes' if best['last_over_first'] >= 0.9 else 'NO']]), '']
-    write_report(os.path.join(ROOT, 'results/toy_story_quality'), dict(clips=rows_c, stories=rows_s, samples=samples), md)
+    first = slice(0, n, 4 * samples)  # the first seed of every fourth caption: 4 (a sheet of ~0.5 MB)
+    from models.compare import contact_sheet
+    short = lambda k: SHORT.get(k, k[:10])  # noqa: E731  a row's name in the sheet's 64-pixel column
+    contact_sheet([f[first] for f in clips.values()], [short(k) for k in clips], caps[first],
+                  os.path.join(ROOT, 'results/toy_story_clips.png'))
+    contact_sheet([f[first] for f in story.values()], [short(k) for k in story],
+                  [' / '.join(s) for s in stories[first]], os.path.join(ROOT, 'results/toy_story_stories.png'))
+    md += ['Contact sheets (the first seed of every fourth caption; rows: base, teacher, teacher cfg 3, causal teacher, stage 1, stage 2, toy_sf): results/toy_story_clips.png (rows in the order of the '
+           'first table), results/toy_story_stories.png (the second).', '',
+           'The training logs as the runs wrote them (out-toy-story/teacher.log: held-out probe, 16 captions or '
+           'stories x 1 seed, the teacher\'s 10 Euler steps at cfg 1; out-toy-story/student.log: the 4-step sampler):', '',
+           '```'] + [l.rstrip() for f in ('teacher.log', 'student.log') if os.path.exists(os.path.join(out, f))
+                     for l in open(os.path.join(out, f))] + ['```']
+    report('quality', dict(clips=rows_c, stories=rows_s, samples=samples), md)
+
+
+def report(tag, res, md, name=None):
+    """res as results/toy_story_<name or tag>.json, md as the block `bench.toy_story <tag>` of results/toy_story.md."""
+    with open(os.path.join(ROOT, 'results', f'toy_story_{name or tag}.json'), 'w') as f:
+        json.dump(res, f, indent=1)
+    put_block(os.path.join(ROOT, 'results/toy_story.md'), f'bench.toy_story {tag}', md)
+    print('\n'.join(md))
 
 
 @torch.no_grad()
@@ -136,7 +164,11 @@ def signal():
         ctx = [(j * per, t) for j, t in enumerate(texts)]
         plan = kvpo.plan(ts.FRAMES, net.layout, K, M, P, ts.FRAMES, s, ts.FRAMES, ts.FRAMES, 1)
         clips, traj, state = kvpo.rollout(net, ctx, ts.FRAMES, (C, h, w), plan, s, M, P, ts.FRAMES)
-        r = ts.story_reward(ts.decode(clips), [story] * (K + 1))
+        frames = ts.decode(clips)  # (K + 1, F, 3, H, W)
+        r = ts.story_reward(frames, [story] * (K + 1))
+        pool = kvpo.pool(plan['fork'], net.layout, M, P, ts.FRAMES)
+        # how different the older frames routing can show are from the frame it hides (the anchor's fork - 1): RMS px
+        pool_rms = (frames[-1, pool] - frames[-1, plan['fork'] - 1]).square().mean((1, 2, 3)).sqrt().mean().item()
         comp = r['composite']  # (K + 1,) the anchor last
         a = kvpo.component_advantage({c: r[c][:-1] for c in weights}, {c: r[c][-1] for c in weights}, weights)
         adv = kvpo.fuse(a, a, 1.0, 0.5, 2.5)  # local = global: the fork's chunk is the whole story
@@ -152,7 +184,7 @@ def signal():
                                        range(len(net.layout['timesteps'])), 'sage', ETA, gens, cache=cache)[0])
         g_comp = ts.story_reward(ts.decode(torch.cat(out, 2)), [story] * K)['composite']
         rows.append(dict(fork=plan['fork'], segment=plan['fork'] // per,
-                         pool=len(kvpo.pool(plan['fork'], net.layout, M, P, ts.FRAMES)),
+                         pool=len(pool), pool_rms=pool_rms,
                          distinct_routes=len({tuple(o) for o in plan['older']}),
                          kvpo_std=comp[:-1].std(unbiased=False).item(), kvpo_gap=(comp[:-1] - comp[-1]).abs().max().item(),
                          grpo_std=g_comp.std(unbiased=False).item(), anchor=comp[-1].item(),
@@ -161,21 +193,22 @@ def signal():
                          score_std=score.std(unbiased=False).item(),
                          entropy_frac=(-(logp.exp() * logp).sum() / math.log(K)).item()))
         print(v, rows[-1], flush=True)
-    keys = ['pool', 'distinct_routes', 'kvpo_std', 'kvpo_gap', 'grpo_std', 'anchor', 'grpo_mean', 'distinct_adv',
+    keys = ['pool', 'pool_rms', 'distinct_routes', 'kvpo_std', 'kvpo_gap', 'grpo_std', 'anchor', 'grpo_mean', 'distinct_adv',
             'clamped', 'score_std', 'entropy_frac']
     res = dict(model=model, videos=videos, rows=rows, median={k: st.median(r[k] for r in rows) for k in keys},
                mean={k: st.mean(r[k] for r in rows) for k in keys},
                tied_groups=sum(r['distinct_adv'] == 1 for r in rows) / len(rows),
                kvpo_below_1e3=sum(r['kvpo_std'] < 1e-3 for r in rows) / len(rows))
     by_seg = {g: [r for r in rows if r['segment'] == g] for g in sorted({r['segment'] for r in rows})}
-    med = res['median']
-    md = ['# What a KVPO group carries in the story world, before any update (KVPO vs GRPO-SDE)', '',
+    med, name = res['median'], os.path.basename(model.rstrip('/'))
+    md = [f'## What a KVPO group carries in the story world, before any update (KVPO vs GRPO-SDE; {name})', '',
           f'Written by `python -m bench.toy_story signal --model={model}`: the untrained student `{model}`, {videos} train '
           'stories (a train caption, then 3 seeded turns "it turns ..."; 16 frames, 4 segments), a seeded plan and noise '
           'each. KVPO as kvpo/config/toy_sf.py routes the toy (K = 6, m = 1, P = 2, n_random = 2; the cache holds the '
           'whole story: pools of 2 to 12 older frames), GRPO-SDE as kvpo/config/grpo_toy_sf.py samples it (G = 6, one '
           'initial noise, SAGE eta 0.5 at the 4 steps); both switch the text keys at each segment. Reward: the story\'s '
-          'composite (each segment against the whole story, of 2). "std": over the group, population.', '',
+          'composite (each segment against the whole story, of 2). "std": over the group, population. pool_rms: the mean '
+          'RMS pixel distance of the pool\'s frames to the frame routing hides (the anchor\'s frame before the fork).', '',
           table(['', 'median', 'mean'], [[k, f'{res["median"][k]:.4g}', f'{res["mean"][k]:.4g}'] for k in keys]), '',
           f'Issue 69\'s target, KVPO\'s within-group std >= 0.03 (median): {med["kvpo_std"]:.4g} '
           f'({"met" if med["kvpo_std"] >= 0.03 else "NOT met"}); GRPO-SDE\'s beside it {med["grpo_std"]:.4g}. '
@@ -183,12 +216,13 @@ def signal():
           f'std under 1e-3: {res["kvpo_below_1e3"]:.0%}.', '',
           '**By the fork\'s segment** (a fork in segment j routes the older frames while segment j\'s text names no '
           'colour or shape):', '',
-          table(['segment', 'videos', 'pool (mean)', 'distinct routes', 'KVPO std', 'GRPO-SDE std', 'anchor composite'],
-                [[g + 1, len(v), f'{st.mean(r["pool"] for r in v):.1f}', f'{st.mean(r["distinct_routes"] for r in v):.1f}',
+          table(['segment', 'videos', 'pool (mean)', 'pool_rms', 'distinct routes', 'KVPO std', 'GRPO-SDE std',
+                 'anchor composite'],
+                [[g + 1, len(v), f'{st.mean(r["pool"] for r in v):.1f}', f'{st.mean(r["pool_rms"] for r in v):.3f}',
+                  f'{st.mean(r["distinct_routes"] for r in v):.1f}',
                   f'{st.median(r["kvpo_std"] for r in v):.3g}', f'{st.median(r["grpo_std"] for r in v):.3g}',
                   f'{st.mean(r["anchor"] for r in v):.3f}'] for g, v in by_seg.items()]), '']
-    name = os.path.basename(model.rstrip('/'))
-    write_report(os.path.join(ROOT, 'results', 'toy_story_signal' + ('' if name == 'student' else '_' + name)), res, md)
+    report(f'signal {name}', res, md, f'signal_{name}')
 
 
 if __name__ == '__main__':

@@ -25,6 +25,7 @@ run causally unchanged. Its data is the base's (models/toy.py data: a quarter of
 empty) on alternate steps with stories (the first caption wrong as often; a tenth with every text empty, for
 guidance). Its weights start from the teacher-forced streaming toy (assets/toy_ar), as Self-Forcing's start
 from Wan's; two words ('it', 'turns') join the toy's text table, drawn from a seeded generator.
+Results: results/toy_story.md (python -m bench.toy_story).
 Tested by: python -m pytest tests/test_toy_story.py
 """
 import copy
