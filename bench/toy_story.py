@@ -41,8 +41,11 @@ samples = 4                     # seeds per held-out caption (quality)
 videos = 48                     # stories (signal)
 runs = 'out-toy-story'           # where streaming/toy_story*.py trained (teacher/, ode_init/, student/, logs)
 model = 'out-toy-story/student'  # the untrained student of the signal (out-toy-story/ode_init: stage 1 alone)
-K, M, P = 6, 1, 2               # KVPO's branches, nearest frames, routed blocks (kvpo/config/toy.py)
+group = 6                       # K: KVPO's branches (and GRPO-SDE's G) (kvpo/config/toy.py)
+m_nearest = 1                   # nearest frames a routed block sees, itself included
+perturb_blocks = 2              # P: routed blocks from the fork
 ETA = 0.5                       # GRPO-SDE's SAGE scale (kvpo/config/grpo_toy.py)
+tag = ''                        # appended to the signal's block and file name (a variant's settings, e.g. _m2)
 SHORT = {'base (sample.py: 10 steps, cfg 1)': 'base', 'story teacher (10 steps, cfg 1)': 'teacher',
          'story teacher (16 steps, cfg 3)': 'teach cfg3', 'teacher run causally (4 steps)': 'causal',
          'student, stage 1 (ODE pairs)': 'stage 1', 'student, stage 2 (DMD, probe-best)': 'stage 2',
@@ -132,7 +135,8 @@ def quality():
                   os.path.join(ROOT, 'results/toy_story_clips.png'))
     contact_sheet([f[first] for f in story.values()], [short(k) for k in story],
                   [' / '.join(s) for s in stories[first]], os.path.join(ROOT, 'results/toy_story_stories.png'))
-    md += ['Contact sheets (the first seed of every fourth caption; rows: base, teacher, teacher cfg 3, causal teacher, stage 1, stage 2, toy_sf): results/toy_story_clips.png (rows in the order of the '
+    md += ['Contact sheets (the first seed of every fourth caption; rows: base, teacher, teacher cfg 3, causal '
+           'teacher, stage 1, stage 2, toy_sf): results/toy_story_clips.png (rows in the order of the '
            'first table), results/toy_story_stories.png (the second).', '',
            'The training logs as the runs wrote them (out-toy-story/teacher.log: held-out probe, 16 captions or '
            'stories x 1 seed, the teacher\'s 10 Euler steps at cfg 1; out-toy-story/student.log: the 4-step sampler):', '',
@@ -162,11 +166,11 @@ def signal():
         story = ts.story_of(caps[v % len(caps)], s)
         texts = [ts.encode([p]) for p in story]  # (1, L, D) each
         ctx = [(j * per, t) for j, t in enumerate(texts)]
-        plan = kvpo.plan(ts.FRAMES, net.layout, K, M, P, ts.FRAMES, s, ts.FRAMES, ts.FRAMES, 1)
-        clips, traj, state = kvpo.rollout(net, ctx, ts.FRAMES, (C, h, w), plan, s, M, P, ts.FRAMES)
+        plan = kvpo.plan(ts.FRAMES, net.layout, group, m_nearest, perturb_blocks, ts.FRAMES, s, ts.FRAMES, ts.FRAMES, 1)
+        clips, traj, state = kvpo.rollout(net, ctx, ts.FRAMES, (C, h, w), plan, s, m_nearest, perturb_blocks, ts.FRAMES)
         frames = ts.decode(clips)  # (K + 1, F, 3, H, W)
-        r = ts.story_reward(frames, [story] * (K + 1))
-        pool = kvpo.pool(plan['fork'], net.layout, M, P, ts.FRAMES)
+        r = ts.story_reward(frames, [story] * (group + 1))
+        pool = kvpo.pool(plan['fork'], net.layout, m_nearest, perturb_blocks, ts.FRAMES)
         # how different the older frames routing can show are from the frame it hides (the anchor's fork - 1): RMS px
         pool_rms = (frames[-1, pool] - frames[-1, plan['fork'] - 1]).square().mean((1, 2, 3)).sqrt().mean().item()
         comp = r['composite']  # (K + 1,) the anchor last
@@ -176,13 +180,13 @@ def signal():
         logp = torch.log_softmax(score, 0)
         # GRPO-SDE's group: one initial noise, SAGE at every step, its own z per member; the text switched per segment
         x1 = torch.randn(C, ts.FRAMES, h, w, generator=torch.Generator().manual_seed(seed_of(s, 'noise') % 2 ** 63))
-        x1 = x1[None].expand(K, -1, -1, -1, -1)
-        gens, cache, out = generators([seed_of(s, 'sde', g) for g in range(K)]), streaming.KVCache(net.layout), []
+        x1 = x1[None].expand(group, -1, -1, -1, -1)
+        gens, cache, out = generators([seed_of(s, 'sde', g) for g in range(group)]), streaming.KVCache(net.layout), []
         for j in range(n_seg):
             cache.text = {}
-            out.append(sde_ar.generate(net, x1[:, :, j * per:(j + 1) * per], texts[j].expand(K, -1, -1),
+            out.append(sde_ar.generate(net, x1[:, :, j * per:(j + 1) * per], texts[j].expand(group, -1, -1),
                                        range(len(net.layout['timesteps'])), 'sage', ETA, gens, cache=cache)[0])
-        g_comp = ts.story_reward(ts.decode(torch.cat(out, 2)), [story] * K)['composite']
+        g_comp = ts.story_reward(ts.decode(torch.cat(out, 2)), [story] * group)['composite']
         rows.append(dict(fork=plan['fork'], segment=plan['fork'] // per,
                          pool=len(pool), pool_rms=pool_rms,
                          distinct_routes=len({tuple(o) for o in plan['older']}),
@@ -191,7 +195,7 @@ def signal():
                          grpo_mean=g_comp.mean().item(), distinct_adv=len({round(x, 6) for x in adv.tolist()}),
                          clamped=(adv.abs() >= 2.5 - 1e-6).float().mean().item(),
                          score_std=score.std(unbiased=False).item(),
-                         entropy_frac=(-(logp.exp() * logp).sum() / math.log(K)).item()))
+                         entropy_frac=(-(logp.exp() * logp).sum() / math.log(group)).item()))
         print(v, rows[-1], flush=True)
     keys = ['pool', 'pool_rms', 'distinct_routes', 'kvpo_std', 'kvpo_gap', 'grpo_std', 'anchor', 'grpo_mean', 'distinct_adv',
             'clamped', 'score_std', 'entropy_frac']
@@ -200,12 +204,15 @@ def signal():
                tied_groups=sum(r['distinct_adv'] == 1 for r in rows) / len(rows),
                kvpo_below_1e3=sum(r['kvpo_std'] < 1e-3 for r in rows) / len(rows))
     by_seg = {g: [r for r in rows if r['segment'] == g] for g in sorted({r['segment'] for r in rows})}
-    med, name = res['median'], os.path.basename(model.rstrip('/'))
+    med, name = res['median'], os.path.basename(model.rstrip('/')) + tag
     md = [f'## What a KVPO group carries in the story world, before any update (KVPO vs GRPO-SDE; {name})', '',
-          f'Written by `python -m bench.toy_story signal --model={model}`: the untrained student `{model}`, {videos} train '
+          f'Written by `python -m bench.toy_story signal --model={model}'
+          + (f' --m_nearest={m_nearest} --perturb_blocks={perturb_blocks} --tag={tag}' if tag else '')
+          + f'`: the untrained student `{model}`, {videos} train '
           'stories (a train caption, then 3 seeded turns "it turns ..."; 16 frames, 4 segments), a seeded plan and noise '
-          'each. KVPO as kvpo/config/toy_sf.py routes the toy (K = 6, m = 1, P = 2, n_random = 2; the cache holds the '
-          'whole story: pools of 2 to 12 older frames), GRPO-SDE as kvpo/config/grpo_toy_sf.py samples it (G = 6, one '
+          f'each. KVPO routes the toy (K = {group}, m = {m_nearest}, P = {perturb_blocks}, n_random = {3 - m_nearest}; '
+          'kvpo/config/toy_sf.py: K = 6, m = 1, P = 2; the cache holds the whole story), GRPO-SDE as '
+          'kvpo/config/grpo_toy_sf.py samples it (G = 6, one '
           'initial noise, SAGE eta 0.5 at the 4 steps); both switch the text keys at each segment. Reward: the story\'s '
           'composite (each segment against the whole story, of 2). "std": over the group, population. pool_rms: the mean '
           'RMS pixel distance of the pool\'s frames to the frame routing hides (the anchor\'s frame before the fork).', '',
