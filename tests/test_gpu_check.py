@@ -74,7 +74,7 @@ def test_a_smoke_killed_mid_run_leaves_no_worker_and_its_tail_in_out(tmp_path):
     output's tail is in <out>/gpu_check.log; once the check ends, no process of the run is left."""
     out, work = tmp_path / 'out', tmp_path / 'work'
     p = subprocess.Popen([sys.executable, '-m', 'bench.gpu_check', '--device=cpu', f'--out={out}',
-                          f'--work_dir={work}', '--phases=smoke', '--phase_timeout=35', '--tail_every=1'],
+                          f'--work_dir={work}', '--phases=smoke', '--phase_timeout=15', '--tail_every=1'],
                          cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
     mine = lambda: [q for q in psutil.process_iter(['cmdline']) if str(work) in ' '.join(q.info['cmdline'] or [])
                     and q.pid != p.pid and q.status() != psutil.STATUS_ZOMBIE]  # noqa: E731

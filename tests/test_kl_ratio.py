@@ -162,7 +162,7 @@ def test_two_ranks_log_the_ratio_of_one_process(tmp_path):
     # the norms are of the summed gradient after FSDP's reduction: 2 ranks and 1 process log one ratio
     common = ['config/toy.py', '--max_iters=2', '--prompts_per_iter=2', '--group_size=2', '--eval_every=0',
               '--save_every=0', '--export_dtype=', '--diag_every=0', '--ratio_every=1', '--kl_init=0.1',
-              '--kl_min=0.1', '--kl_max=0.1', '--kl_warmup=0', '--anchor_every=1', '--train_batch=1',
+              '--kl_min=0.1', '--kl_max=0.1', '--kl_warmup=0', '--train_batch=1',
               '--rollout_batch=2']
     rows = {}
     for nproc in (1, 2):

@@ -111,9 +111,9 @@ def test_two_ranks_equal_one_process(model, tmp_path):
     ra, rb = metrics(one), metrics(two)
     assert len(ra) == len(rb) == 4  # eval 0, iterations 1 and 2, eval 2
     for x, y in zip(ra, rb):
-        for k, v in x.items():
+        for k, v in x.items():  # an evaluation samples from weights ~5e-7 apart: scores 1e-5 apart
             if k not in TIMES and isinstance(v, float):
-                assert y[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+                assert y[k] == pytest.approx(v, rel=1e-5, abs=1e-4 if k.startswith('eval_') else 1e-7), k
 
 
 @pytest.mark.slow

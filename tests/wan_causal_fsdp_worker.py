@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import wan_causal  # noqa: E402
+from streaming import wan_causal  # noqa: E402
 from models.policy import load_policy  # noqa: E402
 from tiny_wan_causal import inputs  # noqa: E402
 
