@@ -377,10 +377,13 @@ def readme_lines(res):
     parts = []
     for opt, v in res.get('lr_verdict', {}).items():
         word = 'beats' if v['dual_wins'] else 'does not beat'
-        parts.append(f'with {opt}, dual held at 0.1 {word} the best \'none\' over learning rates '
-                     f'{lr_name(LRS[opt][0])}..{lr_name(LRS[opt][-1])} ({v["best_none"].split(", ")[1]}: Δ composite '
+        seeds = ', '.join(f'{lr_name(lr)} ({res["lr_cells"][f"none, {opt} {lr_name(lr)}"]["n"]})'
+                          for lr in LRS[opt])
+        parts.append(f'with {opt}, dual held at 0.1 {word} the best \'none\' over learning rates (seeds) {seeds} '
+                     f'({v["best_none"].split(", ")[1]}: Δ composite '
                      f'{V.fmt(v["composite"])} over {v["composite"]["n"]} seeds, VQ {V.fmt(v["VQ"])}, manifold '
                      f'{V.fmt(v["manifold"], 4)})')
+    parts += [f'{opt}: not run yet' for opt in LRS if opt not in res.get('lr_verdict', {})]
     ratio = res.get('ratio', {})
     r = '; '.join(f'{k} {v["mean"]:.2f}' for k, v in ratio.items() if k.startswith('dual'))
     return [f'- *The trust region or a smaller step* (`python -m bench.trust_region`, paired seeds, 60 iterations of 8 '
