@@ -59,6 +59,13 @@ class ToyARTransformer(CausalWanTransformer3DModel):
     """The toy's causal Wan: its own class so that models.family_of finds this family (its text context)."""
 
 
+
+@torch.no_grad()
+def ema_update(ema, net, step, decay):
+    """The EMA copy's step toward net: decay warmed up as min(decay, (1 + step) / (10 + step))."""
+    for pe, p in zip(ema.parameters(), net.parameters()):
+        pe.lerp_(p, 1 - min(decay, (1 + step) / (10 + step)))
+
 def build_model():
     torch.manual_seed(SEED)
     return streaming.install(ToyARTransformer(**CONFIG), LAYOUT)
@@ -106,9 +113,7 @@ def train():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), net.parameters()):
-                pe.lerp_(p, 1 - min(EMA, (1 + step) / (10 + step)))
+        ema_update(ema, net, step, EMA)
         smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
         if step % 100 == 0 or step == STEPS - 1:
             line = f'step {step:5d}  loss {loss.item():.4f}  smoothed {smooth:.4f}  lr {lr:.2e}  {time.time() - t0:6.0f}s'

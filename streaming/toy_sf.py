@@ -288,9 +288,7 @@ def stage2(net, teacher, gen, say):
             opt_c.step()
         if it < 0:
             continue
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), net.parameters()):
-                pe.lerp_(p, 1 - min(EMA, (1 + it) / (10 + it)))
+        toy_ar.ema_update(ema, net, it, EMA)
         if it % LOG_EVERY == 0 or it == DMD_ITERS - 1:
             say(f'dmd {it:4d}  loss {loss_g.item():.4f}  |grad| {gnorm:.3f}  critic {loss_c.item():.4f}  '
                 f'probe {probe(net):.4f}  ema {probe(ema):.4f}')

@@ -339,9 +339,7 @@ def train(steps=STEPS, out=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), net.parameters()):
-                pe.lerp_(p, 1 - min(EMA, (1 + step) / (10 + step)))
+        toy_ar.ema_update(ema, net, step, EMA)
         smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
         if (step + 1) % SAVE_EVERY == 0 or step + 1 == steps:
             torch.save(dict(net=net.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=step + 1),

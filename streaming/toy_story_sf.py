@@ -29,12 +29,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import sde
 from models import toy
 import streaming
-from streaming import toy_story as ts
+from streaming import toy_ar, toy_sf, toy_story as ts
 
 # ----------------------------------------------------------------------------- settings
 TEACHER_CFG = 3.0               # guidance of the teacher: its ODE pairs and DMD's real score
@@ -210,8 +209,8 @@ def stage2(out, say):
                 with torch.no_grad():
                     xs = (1 - s.view(-1, 1, 1, 1, 1)) * x + s.view(-1, 1, 1, 1, 1) * e
                     real = x0_of(teacher, xs, s, texts, TEACHER_CFG)
-                    g = (x0_of(critic, xs, s, texts) - real) / (x - real).abs().mean((1, 2, 3, 4), keepdim=True)
-                loss_g = 0.5 * F.mse_loss(x, (x - g).detach())
+                    g = toy_sf.dmd_grad(x, real, x0_of(critic, xs, s, texts))  # fake: the critic's x0
+                loss_g = toy_sf.dmd_loss(x, g)
                 opt_g.zero_grad(set_to_none=True)
                 loss_g.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), 10.0)
@@ -223,9 +222,7 @@ def stage2(out, say):
             opt_c.step()
         if it < 0:
             continue
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), net.parameters()):
-                pe.lerp_(p, 1 - min(EMA, (1 + it) / (10 + it)))
+        toy_ar.ema_update(ema, net, it, EMA)
         if (it + 1) % PROBE_EVERY == 0:
             pr = probe(ema)
             say(f'dmd {it + 1:4d}  loss {loss_g.item():.4f}  |grad| {gnorm:.3f}  critic {loss_c.item():.4f}  probe {pr}')
