@@ -111,7 +111,8 @@ ckpts, history = preflight.start(config, master, quiet)  # out_dir claimed; path
 # the models: the reward first (seconds, not the policy's load), the prompts' embeddings, the policy
 fam = family(model)  # the model family's file: the interface in models/__init__.py
 shape = latent_shape(model, num_frames, height, width)  # (C, F, h, w): no weights read
-reward_fn, manifold_distance = preflight.reward_first(config, device, fam)  # one clip scored
+decode = load_decoder(model, device)
+reward_fn, manifold_distance = preflight.reward_first(config, device, fam, decode)  # a clip scored
 text_cache = prompt_cache.shared(os.path.join(out_dir, 'prompt_cache'), model,
                                  set(train_list) | set(eval_list) | {negative_prompt},
                                  encode_prompts, device, master, parallel.solo_timeout)
@@ -123,7 +124,6 @@ anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # infra/ancho
 controller = variants.lambda_controller(  # lambda_KL (kl_ratio_target: a hold of the ratio instead)
     tr.KLController(kl_init, kl_min, kl_max, kl_target, kl_warmup, direction=kl_direction))
 kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  # 0: a term off
-decode = load_decoder(model, device)
 score_fn = variants.scorer(reward_fn, reward_weights, shape)  # reward_fn (tvrl: and its credit)
 sigmas = sde.sigmas(num_steps, shift).to(device)  # (N + 1,) from 1.0 to 0.0
 stochastic_steps = sde.stochastic_steps(sampler, sigmas, eta)  # only they have noise and train

@@ -144,7 +144,7 @@ def stop_all(lines, when):
         raise SystemExit(f'stopped {when}:\n  ' + '\n  '.join(lines))
 
 
-def reward_first(config, device, fam=None):
+def reward_first(config, device, fam=None, decode=None):
     """(reward_fn, manifold_distance) of config's reward_model (videoalign.load_reward), once it has scored
     one clip of the run's size (random latents decoded, the first training prompt): called before the
     policy loads, a reward whose weights, keys or dtype fail stops the run in seconds instead of after
@@ -157,7 +157,7 @@ def reward_first(config, device, fam=None):
         loaded = videoalign.load_reward(c['reward_model'], c['videoalign_dir'], c['qwen_dir'], device, family=fam)
         shape = latent_shape(c['model'], c['num_frames'], c['height'], c['width'])  # the run's clip:
         latents = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0)).to(device)
-        frames = load_decoder(c['model'], device)(latents)  # (1, F, 3, H, W), as the family decodes
+        frames = (decode or load_decoder(c['model'], device))(latents)  # (1, F, 3, H, W): the run's decoder
         prompt = prompt_cache.read_prompts(c['train_prompts'])[0][0]
         scores = loaded[0](frames, [prompt], c['fps'])
         bad = {k: v.tolist() for k, v in scores.items() if torch.is_tensor(v) and not torch.isfinite(v).all()}
