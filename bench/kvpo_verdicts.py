@@ -51,12 +51,23 @@ tail = 10                       # the training reward of a run's end: its last `
 prompts_per_iter = 4            # the batch: prompts an iteration (x K = G = 6 clips)
 lrs = ('1e-4', '1e-5')          # the toy's learning rate, then the released one
 model = ''                      # '' the configs' (assets/toy_sf); another: its runs and report tagged by its folder
+world = 'sf'                    # 'sf': the distilled toy | 'story': the story toy (kvpo/config/toy_story.py), its
+                                # held-out the stories (eval_story_*), runs and report tagged _story
 methods = ('KVPO', 'GRPO-SDE')  # the methods run (the three-way verdicts need both)
 workers, worker = 1, 0          # run every workers-th run from the worker-th (one process a core)
 run = True                      # False: only the report
 RUNS, OUT = 'results/runs/kvpo_verdicts_sf', 'results/kvpo_verdicts'
-METHODS = {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy.py', 'kvpo/config/toy_sf.py'],
-           'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', 'kvpo/config/grpo_toy_sf.py']}
+WORLDS = dict(sf=('toy_sf.py', 'grpo_toy_sf.py', 'assets/toy_sf', 'the distilled streaming toy'),
+              story=('toy_story.py', 'grpo_toy_story.py', 'assets/toy_story', 'the story toy'))
+
+
+def methods_of(w):
+    kv, grpo = WORLDS[w][:2]
+    return {'KVPO': ['-m', 'kvpo.train', 'kvpo/config/toy.py', f'kvpo/config/{kv}'],
+            'GRPO-SDE': ['-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', f'kvpo/config/{grpo}']}
+
+
+METHODS = methods_of('sf')
 SUSPECTS = {  # issue 58's suspects for KVPO lowering the toy, each removed in a KVPO run at the toy's lr
     'forks 6-7 only (pool >= 4: no identical branches)': ['--fork_min=6'],
     'no second normalisation (A, not A / std(A))': ['--fuse_std=False'],
@@ -71,7 +82,12 @@ def cell(m, lr, shuffled):
 
 
 def model_tag():
-    return '_' + os.path.basename(model.rstrip('/')) if model else ''
+    return ('_' + os.path.basename(model.rstrip('/')) if model else '') + ('' if world == 'sf' else f'_{world}')
+
+
+def held_out(r, k):
+    """Held-out metric k of a metrics row: the story world's stories (eval_story_k) where logged, else eval_k."""
+    return r.get(f'eval_story_{k}', r[f'eval_{k}']) if world == 'story' else r[f'eval_{k}']
 
 
 def tag():
@@ -119,7 +135,7 @@ def summary(c, s):
     anchor's), the alarm and its seconds an iteration."""
     rs = rows_of(c, s)
     its = [r for r in rs if 'loss' in r]
-    return dict(evals={r['iter']: {k: r[f'eval_{k}'] for k in METRICS} for r in rs if 'eval_composite' in r},
+    return dict(evals={r['iter']: {k: held_out(r, k) for k in METRICS} for r in rs if 'eval_composite' in r},
                 reward=[r['reward'] for r in its], anchor=[r['anchor_local'] for r in its if 'anchor_local' in r],
                 alarm=sorted({k for r in rs for k in r.get('alarm', [])}),
                 sec=sum(r['t_rollout'] + r['t_update'] for r in its) / len(its))
@@ -134,13 +150,17 @@ def report():
             for lr in lrs for m in methods for sh in (False, True)}
     res = dict(config=dict(seeds=seeds, iters=iters, eval_every=eval_every, tail=tail,
                            prompts_per_iter=prompts_per_iter, lrs=lrs), control={}, held_out={}, runs={})
-    md = ['## KVPO decided on the distilled streaming toy: the shuffled control first, then the verdicts', '',
-          f'Written by `python -m bench.kvpo_verdicts` ({iters} iterations a run, one CPU thread a run): '
-          '`python -m kvpo.train kvpo/config/toy.py kvpo/config/toy_sf.py` and `python -m kvpo.grpo_ar '
-          'kvpo/config/grpo_toy.py kvpo/config/grpo_toy_sf.py` '
-          f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `{model or "assets/toy_sf"}` (the released '
+    kv, grpo, default, title = WORLDS[world]
+    md = [f'## KVPO decided on {title}: the shuffled control first, then the verdicts', '',
+          f'Written by `python -m bench.kvpo_verdicts' + (f' --world={world}`' if world != 'sf' else '`') +
+          f' ({iters} iterations a run, one CPU thread a run): '
+          f'`python -m kvpo.train kvpo/config/toy.py kvpo/config/{kv}` and `python -m kvpo.grpo_ar '
+          f'kvpo/config/grpo_toy.py kvpo/config/{grpo}` '
+          f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `{model or default}` (the released '
           '4-step sampler; KVPO routes, GRPO-SDE injects SAGE noise in its 4 steps and trains 2), EMA 0.9, '
-          'held-out: 16 prompts x 1 seed, the EMA weights, the model\'s own sampler. "shuffled": '
+          + ('held-out: the 16 held-out captions\' stories x 1 seed (eval_story_*: the whole video against its story, '
+             'the training\'s reward), ' if world == 'story' else 'held-out: 16 prompts x 1 seed, ') +
+          'the EMA weights, the model\'s own sampler. "shuffled": '
           '`--adv_shuffle=True`, each group\'s advantages permuted at random (the same advantage values and gate, '
           'no assignment of reward to clips).', '',
           f'### 1. The control: real advantages vs shuffled, paired by seed (training reward: the rollouts\' mean '
@@ -266,6 +286,7 @@ def readme_lines(res):
 
 if __name__ == '__main__':
     configure(globals())
+    METHODS = methods_of(world)
     os.makedirs(RUNS, exist_ok=True)
     if run:  # the toy's lr first, seed-major: a stop leaves every cell at the same seeds
         order = [(m, lr, sh, s) for lr in lrs for s in range(seeds) for m in methods for sh in (False, True)]

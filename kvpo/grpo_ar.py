@@ -36,7 +36,7 @@ from infra import checkpoint, parallel, rundir
 from infra.configurator import configure, one_of
 from infra.preemption import Preemption
 from infra.prompt_cache import read_prompts
-from kvpo import sde_ar
+from kvpo import sde_ar, segments
 from models import family
 from models.evaluate import Alarm, HeldOut
 from models.videoalign import load_reward
@@ -72,7 +72,11 @@ videoalign_dir = 'weights/VideoReward'
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
 train_prompts = 'prompts/train.txt'
 eval_prompts = 'prompts/eval.txt'
+eval_stories = ''               # held-out stories (a video's prompts a line), scored as the training reward; '': none
 frames = 21                     # latent frames a rollout generates (one chunk)
+switch_frames = ()              # latent frames where the prompt switches (kvpo/train.py's): a train_prompts line
+                                # holds a video's prompts; the text keys replaced at each switch (no re-cache)
+global_clip = 9                 # with switches: the reward is the mean over a clip centred in each segment
 eval_frames = 21                # latent frames of a held-out sample
 eval_every = 2                  # iterations between held-out evaluations (and at start and end; 0: never)
 eval_samples = 1                # seeds per held-out prompt
@@ -104,6 +108,10 @@ reward_fn, manifold_distance = load_reward(reward_model, videoalign_dir, qwen_di
 C, _, h, w = fam.latent_shape(model, fam.DEFAULTS['num_frames'], fam.DEFAULTS['height'], fam.DEFAULTS['width'])
 opt = torch.optim.AdamW([p for _, p in trained], lr=learning_rate, weight_decay=weight_decay)
 train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompts)[0]
+if switch_frames:  # a line is a video's prompts (kvpo/train.py's prompt_story): the same draws as KVPO's
+    train_list = segments.stories(train_list, len(switch_frames) + 1)
+eval_story_list = segments.stories(read_prompts(eval_stories)[0], len(switch_frames) + 1) if eval_stories else []
+story = getattr(fam, 'story_score', None)  # a world whose later prompts continue the first (streaming/toy_story.py)
 sigmas = torch.tensor(sde_ar.schedule(policy.layout))  # (S + 1,) the layout's steps and a terminal 0
 stochastic = sde.stochastic_steps(sampler, sigmas, eta)  # the steps that have noise: the only ones trained
 
@@ -149,9 +157,12 @@ def trained_steps(it):
 
 @torch.no_grad()
 def rollout(it, j, prompt, steps):
-    """G clips of one prompt from the current policy, the SDE at `steps` (kvpo/sde_ar.py): the clips and
-    what training needs of them ({'xs' (G, S + 1, C, F, h, w), 'logps' (G, S, blocks)})."""
-    ctx = fam.context(encode([prompt] * group)).to(device)  # (G, L, D)
+    """G clips of one prompt (a story: one a segment) from the current policy, the SDE at `steps`
+    (kvpo/sde_ar.py): the clips and what training needs of them ({'xs' (G, S + 1, C, F, h, w), 'logps'
+    (G, S, blocks)})."""
+    text = lambda p: fam.context(encode([p] * group)).to(device)  # noqa: E731  (G, L, D)
+    ctx = [(a, text(p)) for (a, _), p in zip(segments.bounds(frames, switch_frames), prompt)] if switch_frames \
+        else text(prompt)
     ids = [0] * group if shared_noise else range(group)
     x1 = noise((C, frames, h, w), generators([seed_of(seed, 'noise', it, j, g) for g in ids]), device)
     gens = generators([seed_of(seed, 'rollout', it, j, g) for g in range(group)])  # the SDE's noise
@@ -161,7 +172,10 @@ def rollout(it, j, prompt, steps):
 
 @torch.no_grad()
 def score(g):
-    """{'VQ', 'MQ', 'TA': (G,)} of the group's clips (ta_brightness: TA their mean pixel value)."""
+    """{'VQ', 'MQ', 'TA': (G,)} of the group's clips (ta_brightness: TA their mean pixel value); a story's:
+    kvpo/train.py's global signal (segments.score_video)."""
+    if switch_frames:
+        return segments.score_video(g['clips'], g['prompt'], switch_frames, global_clip, decode, reward_fn, fps, story)
     frames = decode(g['clips'])  # (G, F, 3, H, W)
     sc = {k: v.float().cpu() for k, v in reward_fn(frames, [g['prompt']] * group, fps).items() if k in reward.DIMS}
     return sc | dict(TA=frames.float().flatten(1).mean(1).cpu()) if ta_brightness else sc
@@ -232,6 +246,11 @@ def log_iteration(it, groups, st, times):
 def held_out(it):
     """The EMA weights on the held-out prompts, block by block, scored and watched (kvpo/train.py's)."""
     means = held(ema, it, save_checkpoint)
+    if eval_story_list:  # whole videos of the held-out stories (ODE), scored as the training reward: kvpo/train.py's
+        score_fn = lambda x, ps: segments.score_video(x, ps, switch_frames, global_clip, decode, reward_fn, fps, story)  # noqa: E731
+        means |= segments.evaluate(ema, eval_story_list, lambda p: fam.context(encode([p])).to(device),
+                                   (C, frames, h, w), switch_frames, score_fn, reward_weights, manifold_distance,
+                                   decode, seed, rank, world, device)
     watch, line = alarm(it, held.items)
     if line and master:
         print(line)

@@ -21,6 +21,7 @@ import torch
 
 import sde
 import streaming
+from kvpo import segments
 
 
 def schedule(layout):
@@ -33,7 +34,8 @@ def generate(net, noise, context, steps, kind, eta, gens, cache=None):
     """Latents (B, C, F, h, w) from initial noise (B, C, F, h, w), block by block from the KV cache, the
     SDE at `steps` (indices into schedule()); gens: one generator a clip, one z draw per block and step
     (drawn at ODE steps too: the stream stays aligned whatever `steps` is); cache: a KVCache to continue
-    (noise's frames follow its newest). Returns (clip, record): record 'xs' (B, S + 1, C, F, h, w) the
+    (noise's frames follow its newest); context: one text, or prompt segments [(first frame, text), ...] whose
+    text keys replace the cache's at each switch. Returns (clip, record): record 'xs' (B, S + 1, C, F, h, w) the
     state before each step and the clean clip, 'logps' (B, S, n_blocks) each block's log-prob (0 at an
     ODE step), 'stds' (S,)."""
     layout, sig = net.layout, schedule(net.layout)
@@ -42,16 +44,19 @@ def generate(net, noise, context, steps, kind, eta, gens, cache=None):
     xs, logps, stds = [], [], [0.0] * (len(sig) - 1)
     for i in range(0, F, layout['block']):
         start, x = first + i, noise[:, :, i:i + layout['block']].float()  # (B, C, f, h, w)
+        text, switch = segments.text_at(context, start)
+        if switch:  # a new prompt segment: its text keys from here on
+            segments.recache_text(net, cache, text)
         traj, lp = [x], []
         for k in range(len(sig) - 1):
-            v = streaming.forward_block(net, x, torch.full((B,), sig[k], device=x.device), context, cache,
+            v = streaming.forward_block(net, x, torch.full((B,), sig[k], device=x.device), text, cache,
                                         start).float()
             z = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
             st = sde.step(x, v, sig[k], sig[k + 1], kind if k in steps else 'ode', eta, noise=z)
             x, stds[k] = st.x_next, st.std[0].item()
             traj.append(x)
             lp.append(st.logp if st.logp is not None else x.new_zeros(B))
-        streaming.forward_block(net, x, torch.zeros(B, device=x.device), context, cache, start,
+        streaming.forward_block(net, x, torch.zeros(B, device=x.device), text, cache, start,
                                 write=True)  # the finished block, context_noise 0
         xs.append(torch.stack(traj, 1))  # (B, S + 1, C, f, h, w)
         logps.append(torch.stack(lp, 1))  # (B, S)
@@ -62,7 +67,8 @@ def generate(net, noise, context, steps, kind, eta, gens, cache=None):
 def step_at(net, context, xs, k, kind, eta):
     """sde.Step of the clip's step k under net (mean differentiable in its weights): the transitions
     xs[:, k] -> xs[:, k + 1] (B, C, F, h, w) of every block, their velocity from one masked forward of
-    [the clean clip xs[:, -1] at timestep 0, every block at s_k] (the module docstring)."""
+    [the clean clip xs[:, -1] at timestep 0, every block at s_k] (the module docstring); context: one text or
+    prompt segments (each frame reads its segment's text: streaming.forward_masked)."""
     sig, x0, x = schedule(net.layout), xs[:, -1], xs[:, k]
     B, F = x.shape[0], x.shape[2]
     s = torch.cat([torch.zeros(B, F), torch.full((B, F), sig[k])], 1).to(x.device)  # (B, 2F)

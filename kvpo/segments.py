@@ -14,13 +14,16 @@ self-attention keys and values are also recomputed under the new prompt from the
 (streaming.recache); without it (kvpo/train.py switch_recache=False) only the text keys change. A prompt file
 holds a video's prompts on one line, as KVPO's does: `n,[prompt 1],[prompt 2],[prompt 3],[prompt 4]` (stories).
 Where this differs from the released code: the clips are placed on latent frames (released: on decoded
-video frames, the same centres to within a latent frame).
+video frames, the same centres to within a latent frame). A world whose later prompts only continue the first
+(streaming/toy_story.py: "it turns up") scores the whole video against the whole story instead (its family's
+story_score). Held-out stories (evaluate): each video of a story file generated unrouted, scored the same way.
 Tested by: python -m pytest tests/test_kvpo_release.py
 """
 import re
 
 import torch
 
+import reward
 import streaming
 
 
@@ -95,3 +98,50 @@ def recache_text(net, cache, text):
     e = net.condition_embedder.text_embedder(text)  # (B, L, inner dim): what the blocks' cross-attention reads
     cache.text = {i: (b.attn2.norm_k(b.attn2.to_k(e)).unflatten(2, (b.attn2.heads, -1)),  # (B, L, H, D)
                       b.attn2.to_v(e).unflatten(2, (b.attn2.heads, -1))) for i, b in enumerate(net.blocks)}
+
+
+@torch.no_grad()
+def score_video(clips, prompts, switches, clip, decode, reward_fn, fps, story=None):
+    """{component: (B,)} of B videos' latents (B, C, F, h, w) of one story (`prompts`, one a segment): the mean
+    over the segments' global clips, each with its segment's prompt; story (a family's story_score): the whole
+    video against the whole story."""
+    if story is not None:
+        sc = [story(decode(clips), [list(prompts)] * len(clips), fps)]
+    else:
+        sc = [reward_fn(decode(clips[:, :, lo:hi]), [p] * len(clips), fps)
+              for (lo, hi), p in zip(global_clips(clips.shape[2], switches, clip), prompts)]
+    return {k: torch.stack([c[k].float().cpu() for c in sc]).mean(0) for k in reward.DIMS}
+
+
+@torch.no_grad()
+def generate(net, noise, texts, switches, gens=None, recache=False):
+    """Latents (B, C, F, h, w) of a story from noise (B, C, F, h, w), block by block (streaming.generate, one
+    cache), texts one (B, L, D) a segment, switched at each segment's first frame (switch; recache: the last
+    window re-cached under the new prompt, as released)."""
+    cache, out = streaming.KVCache(net.layout), []
+    for j, (a, b) in enumerate(bounds(noise.shape[2], switches)):
+        if j:
+            switch(net, cache, texts[j], a, torch.cat(out, 2) if recache else None)
+        out.append(streaming.generate(net, noise[:, :, a:b], texts[j], gens, cache=cache))
+    return torch.cat(out, 2)
+
+
+@torch.no_grad()
+def evaluate(net, stories, text, shape, switches, score, weights, manifold_distance, decode, seed, rank, world,
+             device, recache=False):
+    """The held-out stories: story i (rank i % world's) generated unrouted from the noise of (seed, i), scored
+    by score(latents, prompts) (score_video's); {'story_<component>', 'story_composite' (at weights),
+    'story_manifold'}: means over every rank's stories."""
+    from models.policy import generators, noise, seed_of
+    rows = []
+    for i in range(rank, len(stories), world):
+        gens = generators([seed_of(seed, 'eval-story', i)])
+        x = generate(net, noise(shape, gens, device), [text(p) for p in stories[i]], switches, gens, recache)
+        sc = score(x, stories[i])
+        row = {k: v[0].item() for k, v in sc.items()} | dict(composite=reward.combine(sc, weights)[0].item())
+        if manifold_distance is not None:
+            row['manifold'] = manifold_distance(decode(x))[0].item()
+        rows.append(row)
+    from infra.parallel import mean_of
+    keys = [*reward.DIMS, 'composite'] + (['manifold'] if manifold_distance is not None else [])
+    return {f'story_{k}': mean_of([r[k] for r in rows], device) for k in keys}  # every rank the same keys

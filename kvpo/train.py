@@ -98,6 +98,7 @@ videoalign_dir = 'weights/VideoReward'
 qwen_dir = 'weights/Qwen2-VL-2B-Instruct'
 train_prompts = 'prompts/stories.txt'  # a video's 4 prompts a line (prompt_story), as KVPO's prompt file
 eval_prompts = 'prompts/eval.txt'
+eval_stories = ''               # held-out stories (a video's prompts a line), each scored as the global signal; '': none
 eval_frames = 21                # latent frames of a held-out sample (one chunk)
 eval_every = 2                  # iterations between held-out evaluations (and at start and end; 0: never)
 eval_samples = 1                # seeds per held-out prompt
@@ -139,6 +140,11 @@ weights = dict(zip(reward.DIMS, reward_weights))
 train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompts)[0]
 if prompt_story:  # a file without a video's prompts on a line stops here, not at the first rollout
     segments.stories(train_list, len(switch_frames) + 1)
+eval_story_list = segments.stories(read_prompts(eval_stories)[0], len(switch_frames) + 1) if eval_stories else []
+story = getattr(fam, 'story_score', None)  # a world whose later prompts continue the first (streaming/toy_story.py)
+if story and (chunk_first < frames or not prompt_story):
+    raise SystemExit(f'{model}: its reward scores whole stories: chunk_first={frames} (the fork\'s chunk the whole '
+                     'video) and prompt_story=True')
 layout = policy.layout
 
 
@@ -203,7 +209,10 @@ def score(g):
     clips = segments.scored_clips(frames, switch_frames, global_clip, g['prompts'], fork, chunk)
     out = {}
     for name, on in (('local', train_local), ('global', train_global)):
-        if on:
+        if on and story:  # the whole video against the whole story (its fork's chunk is the video)
+            out[name] = segments.score_video(g['clips'], g['prompts'], switch_frames, global_clip, decode, reward_fn,
+                                             fps, story)
+        elif on:
             sc = [reward_fn(decode(g['clips'][:, :, lo:hi]), [p] * (group + 1), fps) for lo, hi, p in clips[name]]
             out[name] = {k: torch.stack([c[k].float().cpu() for c in sc]).mean(0) for k in reward.DIMS}
     return out
@@ -290,6 +299,12 @@ def held_out(it):
     and watched by the alarm as train.py's (models/evaluate.py)."""
     with torch.autocast('cpu', torch.bfloat16, enabled=train_dtype == 'bfloat16'):  # bf16 weights on a CPU
         means = held(ema, it, save_checkpoint)  # (a GPU's generate autocasts itself)
+        if eval_story_list:  # whole videos of the held-out stories, unrouted, scored as the global signal
+            score_fn = lambda x, ps: segments.score_video(x, ps, switch_frames, global_clip, decode, reward_fn, fps,  # noqa: E731
+                                                          story)
+            means |= segments.evaluate(ema, eval_story_list, lambda p: fam.context(encode([p])).to(device),
+                                       (C, frames, h, w), switch_frames, score_fn, reward_weights, manifold_distance,
+                                       decode, seed, rank, world, device, switch_recache)
     watch, line = alarm(it, held.items)
     if line and master:
         print(line)

@@ -13,7 +13,8 @@ import importlib
 import json
 import os
 
-FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy', 'WanCausalPipeline': 'streaming.wan_causal', 'ToyWorldAR': 'streaming.toy_ar', 'ToyWorldSF': 'streaming.toy_sf'}  # _class_name -> file
+FAMILIES = {'HunyuanVideo15Pipeline': 'hunyuan15', 'WanPipeline': 'wan', 'ToyWorld': 'toy', 'WanCausalPipeline': 'streaming.wan_causal', 'ToyWorldAR': 'streaming.toy_ar', 'ToyWorldSF': 'streaming.toy_sf',
+            'ToyWorldStory': 'streaming.toy_story'}  # _class_name -> file
 DEFAULT = 'hunyuan15'  # the family a directory that is not one is most likely meant to be
 
 INTERFACE = {  # item: what it is

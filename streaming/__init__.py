@@ -173,6 +173,7 @@ class Context:
     """What the processors read during one transformer call: the cache, the block's frames and the cached
     frames it sees, or (cache None) the mask of a whole masked sequence; the rope tables of its tokens."""
     cache, frames, visible, write, rope, mask = None, (), (), False, None, None
+    text_mask = None  # a masked sequence of several prompt segments: (tokens, S L) which text each token reads
     rewrite = ()  # frames of `frames` whose new keys and values replace the cached ones (recache)
 
 
@@ -226,7 +227,9 @@ class StreamCross:
             if cache is not None:
                 cache.text[self.layer] = (k, v)
         q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        out = dispatch_attention_fn(q, k.to(q.dtype), v.to(q.dtype), backend=self._attention_backend)
+        tm = self.ctx.text_mask  # several segments' texts side by side: each token reads its own segment's
+        out = dispatch_attention_fn(q, k.to(q.dtype), v.to(q.dtype), backend=self._attention_backend,
+                                    attn_mask=None if tm is None else tm[None, None].to(q.device))
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -286,15 +289,23 @@ def recache(net, x, context, cache, first):
 
 def forward_masked(net, x, s, context, positions, mask):
     """The velocity of a whole sequence x (B, C, N, h, w) of frames at absolute `positions` (N,), each frame
-    at its own sigma s (B, N), attention allowed by the frame-level mask (N, N) bool (query, key)."""
+    at its own sigma s (B, N), attention allowed by the frame-level mask (N, N) bool (query, key). context:
+    one text (B, L, D), or prompt segments [(first frame, text), ...]: each frame reads the text of the
+    segment its position falls in (the texts side by side, a cross-attention mask), as the cache gave it."""
     ctx, (_, ph, pw) = net.stream_ctx, net.config.patch_size
     T = x.shape[3] // ph * (x.shape[4] // pw)  # tokens a frame
+    if not torch.is_tensor(context):  # segments: (tokens, S L) which text each token reads
+        firsts, texts = zip(*context)
+        seg = torch.tensor([sum(p >= f for f in firsts[1:]) for p in positions]).repeat_interleave(T)
+        L = texts[0].shape[1]
+        ctx.text_mask = seg[:, None] == torch.arange(len(texts)).repeat_interleave(L)[None]
+        context = torch.cat(texts, 1)
     ctx.cache, ctx.rope = None, rope_at(net.rope, positions, x.shape[3] // ph, x.shape[4] // pw)
     ctx.mask = mask.repeat_interleave(T, 0).repeat_interleave(T, 1)[None, None].to(x.device)  # (1, 1, S, S)
     try:
         return _call(net, x, 1000 * s.repeat_interleave(T, 1), context)
     finally:
-        ctx.rope, ctx.mask = None, None
+        ctx.rope, ctx.mask, ctx.text_mask = None, None, None
 
 
 def frame_mask(n, layout):

@@ -10,6 +10,7 @@ its colour and shape must come from the history (the KV cache of a streaming stu
 
     python -m streaming.toy_story           # train the teacher into out-toy-story/teacher (checkpointed, resumes)
     python -m streaming.toy_story eval      # its held-out composite: the base's clips and the stories
+    python -m streaming.toy_story publish   # the distilled student into assets/toy_story (the KVPO verdicts' model)
     python -m pytest tests/test_toy_story.py
 
 The reward (story_reward) scores each segment against the whole story: segment j's frames, with the frame
@@ -17,8 +18,8 @@ before it (so a jump at the switch is a bend of the straight line MQ measures), 
 colour and shape and segment j's direction, by the toy's exact reward (models/toy.py); each component is the
 mean over the 4 segments. A clean render scores 1 on every term.
 
-The teacher sees one text per frame: a frame's tokens cross-attend to its own segment's text only (StoryCross,
-a masked cross-attention over the segments' texts side by side); one segment is the base's clip with its one
+The teacher sees one text per frame: a frame's tokens cross-attend to its own segment's text only (streaming's
+cross-attention masked over the segments' texts side by side); one segment is the base's clip with its one
 caption. A causal student's block reads the same text by the KV cache's text keys replaced at each switch
 (generate_story: cache.text emptied, the next forward computes the new segment's), so the teacher's weights
 run causally unchanged. Its data is the base's (models/toy.py data: a quarter of captions wrong, a tenth
@@ -37,7 +38,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 import sde
 from models import toy
@@ -197,27 +197,9 @@ def encode_stories(texts):
 
 # ----------------------------------------------------------------------------- the model
 
-class StoryCross(streaming.StreamCross):
-    """Cross-attention that, given ctx.text_mask (tokens, S L) bool, lets each frame's tokens read only its own
-    segment's text among the S texts side by side; otherwise streaming's (the cached text keys of one prompt)."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        mask = getattr(self.ctx, 'text_mask', None)
-        if mask is None:
-            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))  # (B, S L, H, D)
-        v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        out = dispatch_attention_fn(q, k, v, attn_mask=mask[None, None], backend=self._attention_backend)
-        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(q)))
-
-
 def install(net, layout=STUDENT):
-    streaming.install(net, layout)
-    for i, b in enumerate(net.blocks):
-        b.attn2.processor = StoryCross(i, net.stream_ctx, b.attn2.processor._attention_backend)
-    net.stream_ctx.text_mask = None
-    return net
+    """Streaming's processors (its cross-attention reads each frame's own segment's text, given ctx.text_mask)."""
+    return streaming.install(net, layout)
 
 
 def load(path, layout=STUDENT):
@@ -387,8 +369,69 @@ def decode(latents):
     return torch.cat([toy.decode(x[:, :, i:i + toy.FRAMES]) for i in range(0, n + pad, toy.FRAMES)], 1)[:, :n]
 
 
+# ----------------------------------------------------------------------------- the model interface
+PIPELINE = 'ToyWorldStory'
+TRANSFORMER = 'ToyStoryTransformer'
+HUB_ID = None  # committed in assets/toy_story (the distilled student of streaming/toy_story_sf.py)
+DEFAULTS = dict(toy_ar.DEFAULTS, sample_steps=len(STUDENT['timesteps']), shift=STUDENT['shift'], cfg=1.0)
+LORA_TARGETS = toy_ar.LORA_TARGETS
+reward, manifold_distance = toy.reward, toy.manifold_distance
+blocks, forward, generate, latent_shape, cp_plan, context = (toy_ar.blocks, toy_ar.forward, toy_ar.generate,
+                                                             toy_ar.latent_shape, toy_ar.cp_plan, toy_ar.context)
+
+
+def load_transformer(path, meta=False, attention=None, backend='native'):
+    return toy_ar.load_transformer(path, meta, attention, backend, cls=ToyStoryTransformer, layout=STUDENT)
+
+
+def text_encoder(path, device):
+    """encode(prompts) -> [embeds (B, TEXT_LEN, TEXT_DIM)]: the toy's words and the story's ('it', 'turns')."""
+    def enc(prompts):
+        try:
+            return [encode(prompts).to(device)]
+        except ValueError as e:
+            raise SystemExit(str(e))
+    return enc
+
+
+def load_decoder(path, device):
+    return decode  # any frame count: a 16-frame story
+
+
+def story_score(frames, stories, fps=toy.FPS):
+    """kvpo's story reward (kvpo/segments.py score_video): {'VQ', 'MQ', 'TA': (B,)}, each segment scored against
+    the whole story (story_reward)."""
+    r = story_reward(frames, stories)
+    return {k: r[k] for k in ('VQ', 'MQ', 'TA')}
+
+
+ASSET = 'assets/toy_story'        # the committed student (python -m streaming.toy_story publish)
+TRAIN_SEEDS = 4                  # stories a train caption in ASSET's train_stories.txt
+
+
+def publish(src=os.path.join(DIR, 'student'), dst=ASSET):
+    """The student in src made a model directory of this family: its weights and text table, model_index.json,
+    the stories as KVPO's prompt file reads them ('i,[p1],[p2],[p3],[p4]': TRAIN_SEEDS a train caption, one a
+    held-out caption) and the toy's held-out captions (the base's clip benchmark)."""
+    import shutil
+    src, dst = os.path.join(toy._HERE, src), os.path.join(toy._HERE, dst)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(os.path.join(src, 'transformer'), os.path.join(dst, 'transformer'))
+    shutil.copy(os.path.join(src, 'text_embeddings.safetensors'), dst)
+    shutil.copy(os.path.join(toy._HERE, toy.DIR, 'eval_prompts.txt'), dst)
+    for name, split, n in (('train_stories.txt', 'train', TRAIN_SEEDS), ('eval_stories.txt', 'eval', 1)):
+        with open(os.path.join(dst, name), 'w') as f:
+            f.write(''.join(f'{i},' + ','.join(f'[{p}]' for p in st) + '\n' for i, st in enumerate(stories(split, n))))
+    with open(os.path.join(dst, 'model_index.json'), 'w') as f:
+        f.write('{\n "_class_name": "ToyWorldStory",\n "_comment": "the story toy\'s streaming student of '
+                'streaming/toy_story_sf.py: a tiny block-causal WanTransformer3DModel in transformer/, sampled in 4 '
+                'steps, its text table with the story words"\n}\n')
+
+
 if __name__ == '__main__':
-    if sys.argv[1:] == ['eval']:
+    if sys.argv[1:] == ['publish']:
+        publish()
+    elif sys.argv[1:] == ['eval']:
         net = load(os.path.join(toy._HERE, DIR, 'teacher'))
         print({k: round(probe(net, k, 16), 4) for k in ('clips', 'stories')})
     else:
