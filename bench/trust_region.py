@@ -130,8 +130,12 @@ def todo(cs):
 
 def train_all(cs):
     common = dict(max_iters=P.iters, prompts_per_iter=P.prompts, eval_every=P.eval_every, save_every=0, eval_videos=0)
-    jobs = [(cs[key], s) for key, s in todo(cs)] + [(ov, s) for s in range(seeds) for ov in lr_cells().values()]
-    for ov, s in jobs[worker::workers]:  # a cached run is skipped
+    # the learning-rate question first (issue 67's verdict), Muon's cells before AdamW's, seed-major: a budget cut
+    # leaves every rate with the same seeds; then the strengths' and the velocity term's cells
+    lr = sorted(lr_cells().values(), key=lambda ov: ov.get('optimizer', 'adamw') != 'muon')
+    jobs = [(ov, s) for s in range(seeds) for ov in lr] + [(cs[key], s) for key, s in todo(cs)]
+    jobs = [(ov, s) for ov, s in jobs if C.cached(P.name(ov, s)) is None]  # the workers share what is left
+    for ov, s in jobs[worker::workers]:
         if C.over_budget():
             print(f'over the time budget of {budget_min} min: no new runs', flush=True)
             break
