@@ -152,7 +152,7 @@ def report():
                            prompts_per_iter=prompts_per_iter, lrs=lrs), control={}, held_out={}, runs={})
     kv, grpo, default, title = WORLDS[world]
     md = [f'## KVPO decided on {title}: the shuffled control first, then the verdicts', '',
-          f'Written by `python -m bench.kvpo_verdicts' + (f' --world={world}`' if world != 'sf' else '`') +
+          'Written by `python -m bench.kvpo_verdicts' + (f' --world={world}`' if world != 'sf' else '`') +
           f' ({iters} iterations a run, one CPU thread a run): '
           f'`python -m kvpo.train kvpo/config/toy.py kvpo/config/{kv}` and `python -m kvpo.grpo_ar '
           f'kvpo/config/grpo_toy.py kvpo/config/{grpo}` '

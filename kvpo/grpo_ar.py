@@ -111,7 +111,7 @@ train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompt
 if switch_frames:  # a line is a video's prompts (kvpo/train.py's prompt_story): the same draws as KVPO's
     train_list = segments.stories(train_list, len(switch_frames) + 1)
 eval_story_list = segments.stories(read_prompts(eval_stories)[0], len(switch_frames) + 1) if eval_stories else []
-story = getattr(fam, 'story_score', None)  # a world whose later prompts continue the first (streaming/toy_story.py)
+story = getattr(fam, 'story_score', None) if switch_frames else None  # later prompts continue the first (toy_story)
 sigmas = torch.tensor(sde_ar.schedule(policy.layout))  # (S + 1,) the layout's steps and a terminal 0
 stochastic = sde.stochastic_steps(sampler, sigmas, eta)  # the steps that have noise: the only ones trained
 

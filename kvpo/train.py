@@ -141,7 +141,7 @@ train_list, eval_list = read_prompts(train_prompts)[0], read_prompts(eval_prompt
 if prompt_story:  # a file without a video's prompts on a line stops here, not at the first rollout
     segments.stories(train_list, len(switch_frames) + 1)
 eval_story_list = segments.stories(read_prompts(eval_stories)[0], len(switch_frames) + 1) if eval_stories else []
-story = getattr(fam, 'story_score', None)  # a world whose later prompts continue the first (streaming/toy_story.py)
+story = getattr(fam, 'story_score', None) if switch_frames else None  # later prompts continue the first (toy_story)
 if story and (chunk_first < frames or not prompt_story):
     raise SystemExit(f'{model}: its reward scores whole stories: chunk_first={frames} (the fork\'s chunk the whole '
                      'video) and prompt_story=True')

@@ -85,6 +85,10 @@ def family(path):
         with open(index) as f:
             name = json.load(f)['_class_name']
     except (OSError, ValueError, KeyError) as e:
+        built = [n for n in FAMILIES.values() if '.' in n and not os.path.exists(path) and  # a toy the repo builds
+                 os.path.normpath(getattr(importlib.import_module(n), 'DIR', '')) == os.path.normpath(path)]
+        if built:
+            raise SystemExit(f'{path!r} is not built (a toy model the repository trains): python -m {built[0]}')
         raise SystemExit(f'{path!r} is not a diffusers model directory ({index}: {type(e).__name__}).\n'
                          f'Download the weights first, e.g.\n'
                          f'  hf download {load_family(DEFAULT).HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'

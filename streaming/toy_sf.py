@@ -2,7 +2,8 @@
 The streaming toy, distilled as the released streaming models are (Self-Forcing's recipe): a block-causal student
 (the architecture of streaming/toy_ar.py) that samples with the released 4-step x0 sampler and fresh re-noising.
 
-    python -m streaming.toy_sf            # both stages into assets/toy_sf (ode_init/, transformer/, train.log)
+    python -m streaming.toy_sf            # both stages into assets/toy_sf (ode_init/, transformer/, train.log): 39 min
+                                          # (not committed: the story toy's student succeeded it, assets/toy_story)
     python -m streaming.toy_sf stage2     # stage 2 alone from assets/toy_sf/ode_init (the same run's second half)
     python -m bench.toy_sf             # held-out quality beside the bidirectional base -> results/toy_sf.*
     python sample.py --model=assets/toy_sf --beside=assets/toy --checkpoint=
@@ -340,7 +341,7 @@ def train(init=None):
 # ----------------------------------------------------------------------------- the model interface
 PIPELINE = 'ToyWorldSF'
 TRANSFORMER = 'ToySFTransformer'
-HUB_ID = None  # committed in assets/toy_sf
+HUB_ID = None  # built into assets/toy_sf by python -m streaming.toy_sf (not committed)
 DEFAULTS = dict(toy_ar.DEFAULTS, sample_steps=len(LAYOUT['timesteps']), shift=LAYOUT['shift'], cfg=1.0)
 LORA_TARGETS = toy_ar.LORA_TARGETS
 reward, manifold_distance, text_encoder = toy.reward, toy.manifold_distance, toy.text_encoder

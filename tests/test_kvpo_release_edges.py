@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_kvpo import SHAPE, text, tiny  # noqa: E402
 from test_train import metrics  # noqa: E402
 
+STUDENT = ('--model=assets/toy_story', '--context_noise=0.0')  # the story toy's streaming student, 9-frame clips
+
 
 # ----------------------------------------------------------------------------- the release's routing reads
 def ring_buffer_reads(fork, older, keep, sink=3, block=3, m=4):
@@ -152,7 +154,7 @@ def test_kvpo_train_shuffles_each_video_and_steps_the_schedule_every_old_every(t
     monkeypatch.setattr(kvpo, 'fuse', lambda a_local, *a, **k: torch.arange(float(len(a_local))))
     out = str(tmp_path / 'run')
     monkeypatch.setattr(sys, 'argv', [
-        'kvpo.train', 'kvpo/config/toy.py', 'kvpo/config/toy_sf.py', '--prompts_per_iter=2', '--max_iters=2',
+        'kvpo.train', 'kvpo/config/toy.py', *STUDENT, '--prompts_per_iter=2', '--max_iters=2',
         '--eval_every=0', '--save_every=0', f'--out_dir={out}', '--adv_shuffle=True', '--old_every=2', '--warmup=1',
         '--lr_schedule=constant_with_warmup', '--learning_rate=1e-4'])
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
