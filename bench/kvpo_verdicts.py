@@ -267,8 +267,9 @@ def readme_lines(res):
              f'composite: {vs("KVPO", "untrained", lr)}, {vs("GRPO-SDE", "untrained", lr)}, {vs("KVPO", "GRPO-SDE", lr)}'
              for lr in lrs]
     sig = ''
-    if os.path.exists('results/kvpo_signal.json'):  # the untrained toy's groups (bench/kvpo_signal.py)
-        with open('results/kvpo_signal.json') as f:
+    signal = 'results/toy_story_signal_student.json' if world == 'story' else 'results/kvpo_signal.json'
+    if os.path.exists(signal):  # the untrained toy's groups (bench/kvpo_signal.py, bench/toy_story.py signal)
+        with open(signal) as f:
             g = json.load(f)
         sig = (f' On the untrained toy KVPO\'s routed branches barely differ (composite std within a group: median '
                f'{g["median"]["kvpo_std"]:.1e}, mean {g["mean"]["kvpo_std"]:.1e}; GRPO-SDE\'s {g["median"]["grpo_std"]:.2f}) '
@@ -279,9 +280,10 @@ def readme_lines(res):
         sig += (' Each suspect removed, against KVPO (held-out composite): ' + '; '.join(
             f'{k.split(" (")[0]} {verdict(v["held_out"])} ({fmt(v["held_out"])})' for k, v in sus.items()
             if k.endswith('vs KVPO')) + '.')
-    return [f'- *KVPO decided on the distilled streaming toy* (`python -m bench.kvpo_verdicts`, {seeds} paired seeds, '
+    title, flag = WORLDS[world][3], '' if world == 'sf' else f' --world={world}'
+    return [f'- *KVPO decided on {title}* (`python -m bench.kvpo_verdicts{flag}`, {seeds} paired seeds, '
             f'{iters} iterations of {prompts_per_iter} prompts x 6): ' + '; '.join(parts) + '.' + sig
-            + ' [results/kvpo_verdicts.md](results/kvpo_verdicts.md).']
+            + f' [results/kvpo_verdicts{tag()}.md](results/kvpo_verdicts{tag()}.md).']
 
 
 if __name__ == '__main__':
@@ -298,7 +300,7 @@ if __name__ == '__main__':
             if i % workers == worker:
                 train('KVPO', SUSPECT_LR, False, s, a, c)
     res = report()
-    if not tag() and worker == 0:
-        put_block('results/README.md', 'bench.kvpo_verdicts',  # the README links it
-                  ['## 13. KVPO decided on the distilled streaming toy (`python -m bench.kvpo_verdicts`)', '']
-                  + readme_lines(res))
+    if tag() in ('', '_story') and worker == 0:  # the README links section 13
+        put_block('results/README.md', 'bench.kvpo_verdicts' + tag().replace('_', ' '),
+                  [f'## 13{"b" if tag() else ""}. KVPO decided on {WORLDS[world][3]} (`python -m bench.kvpo_verdicts'
+                   + ('`)' if world == 'sf' else f' --world={world}`)'), ''] + readme_lines(res))
