@@ -334,12 +334,16 @@ def lr_section(res):
     for k, rs in runs.items():
         ok = [r for r in rs if r]
         cells[k] = dict(n=len(ok), **{m: mean([late(r, m) for r in ok]) for m in METRICS})
+        cis = {m: V.paired([late(r, m) for r in ok], [0.0] * len(ok)) for m in METRICS}  # the mean's 95% t interval
+        cells[k]['ci'] = {m: [c['lo'], c['hi']] for m, c in cis.items()}
         rows.append([k, len(ok) or 'not run'] + [('-' if cells[k][m] is None else
-                                                  f'{cells[k][m]:.{4 if m == "manifold" else 3}f}') for m in METRICS])
+                                                  f'{cells[k][m]:.{4 if m == "manifold" else 3}f}' +
+                                                  (f' ±{(cis[m]["hi"] - cis[m]["lo"]) / 2:.{4 if m == "manifold" else 3}f}'
+                                                   if len(ok) > 1 else '')) for m in METRICS])
     md = ['## The trust region or a smaller step', '',
           '\'none\' at each optimizer\'s learning rates (its toy default down to about a fifth) beside dual with lambda_KL '
           'held at 0.1 at the default; bench.paper\'s cells, 60 iterations of 8 prompts x G=4, a run\'s value the mean of '
-          'its evaluations at iterations 40..60:', '',
+          'its evaluations at iterations 40..60; a cell: the mean over its seeds ± the 95% t interval\'s half-width:', '',
           table(['cell', 'seeds'] + list(METRICS), rows), '']
     verdicts = {}
     for opt in LRS:
