@@ -159,7 +159,8 @@ def report():
           f'with `--seed=s`, {prompts_per_iter} prompts x K = G = 6 an iteration, on `{model or default}` (the released '
           '4-step sampler; KVPO routes, GRPO-SDE injects SAGE noise in its 4 steps and trains 2), EMA 0.9, '
           + ('held-out: the 16 held-out captions\' stories x 1 seed (eval_story_*: the whole video against its story, '
-             'the training\'s reward), ' if world == 'story' else 'held-out: 16 prompts x 1 seed, ') +
+             'the training\'s reward; the colour entropy of the 16 held-out 9-frame clips), ' if world == 'story'
+             else 'held-out: 16 prompts x 1 seed, ') +
           'the EMA weights, the model\'s own sampler. "shuffled": '
           '`--adv_shuffle=True`, each group\'s advantages permuted at random (the same advantage values and gate, '
           'no assignment of reward to clips).', '',
