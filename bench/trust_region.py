@@ -390,7 +390,7 @@ def readme_lines(res):
         parts.append(f'with {opt}, dual held at 0.1 {word} the best \'none\' over learning rates (seeds) {seeds} '
                      f'({v["best_none"].split(", ")[1]}: Δ composite '
                      f'{V.fmt(v["composite"])} over {v["composite"]["n"]} seeds, VQ {V.fmt(v["VQ"])}, manifold '
-                     f'{V.fmt(v["manifold"], 4)})')
+                     f'distance lower by {V.fmt(v["manifold"], 4)})')
     parts += [f'{opt}: not run yet' for opt in LRS if opt not in res.get('lr_verdict', {})]
     ratio = res.get('ratio', {})
     r = '; '.join(f'{k} {v["mean"]:.2f}' for k, v in ratio.items() if k.startswith('dual'))
