@@ -302,6 +302,6 @@ if __name__ == '__main__':
                 train('KVPO', SUSPECT_LR, False, s, a, c)
     res = report()
     if tag() in ('', '_story') and worker == 0:  # the README links sections 13 and 15
-        put_block('results/README.md', 'bench.kvpo_verdicts' + tag().replace('_', ' '),
+        put_block('results/README.md', 'bench.kvpo_verdicts' + ('' if world == 'sf' else f' --world={world}'),
                   [f'## {"15" if tag() else "13"}. KVPO decided on {WORLDS[world][3]} (`python -m bench.kvpo_verdicts'
                    + ('`)' if world == 'sf' else f' --world={world}`)'), ''] + readme_lines(res))
