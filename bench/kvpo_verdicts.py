@@ -275,14 +275,15 @@ def readme_lines(res):
         sig = (f' On the untrained toy KVPO\'s routed branches barely differ (composite std within a group: median '
                f'{g["median"]["kvpo_std"]:.1e}, mean {g["mean"]["kvpo_std"]:.1e}; GRPO-SDE\'s {g["median"]["grpo_std"]:.2f}) '
                f'and {g["tied_groups"]:.0%} of its groups get one advantage value for every branch '
-               '([results/kvpo_signal.md](results/kvpo_signal.md), docs/kvpo.md 5).')
+               f'([results/kvpo_signal.md](results/kvpo_signal.md), docs/kvpo.md {5 if world == "sf" else 6}).')
     sus = res.get('suspects', {})
     if sus:
         sig += (' Each suspect removed, against KVPO (held-out composite): ' + '; '.join(
             f'{k.split(" (")[0]} {verdict(v["held_out"])} ({fmt(v["held_out"])})' for k, v in sus.items()
             if k.endswith('vs KVPO')) + '.')
     title, flag = WORLDS[world][3], '' if world == 'sf' else f' --world={world}'
-    return [f'- *KVPO decided on {title}* (`python -m bench.kvpo_verdicts{flag}`, {seeds} paired seeds, '
+    n = ', '.join(f'{res["control"].get(f"KVPO lr {lr}", {}).get("reward", {}).get("n", 0)} at lr {lr}' for lr in lrs)
+    return [f'- *KVPO decided on {title}* (`python -m bench.kvpo_verdicts{flag}`, paired seeds: {n}; '
             f'{iters} iterations of {prompts_per_iter} prompts x 6): ' + '; '.join(parts) + '.' + sig
             + f' [results/kvpo_verdicts{tag()}.md](results/kvpo_verdicts{tag()}.md).']
 
