@@ -209,10 +209,10 @@ def score(g):
     clips = segments.scored_clips(frames, switch_frames, global_clip, g['prompts'], fork, chunk)
     out = {}
     for name, on in (('local', train_local), ('global', train_global)):
-        if on and story:  # the whole video against the whole story (its fork's chunk is the video)
+        if on and (story or name == 'global'):  # segments' global clips, or the whole video against its story
             out[name] = segments.score_video(g['clips'], g['prompts'], switch_frames, global_clip, decode, reward_fn,
                                              fps, story)
-        elif on:
+        elif on:  # the fork's chunk with its segment's prompt
             sc = [reward_fn(decode(g['clips'][:, :, lo:hi]), [p] * (group + 1), fps) for lo, hi, p in clips[name]]
             out[name] = {k: torch.stack([c[k].float().cpu() for c in sc]).mean(0) for k in reward.DIMS}
     return out
