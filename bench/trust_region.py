@@ -76,6 +76,24 @@ def ratio_cell(label):
     return 'tr_ratio_' + '_'.join(f'{k}-{v}' for k, v in sorted(RATIO_RUNS[label].items())) + '_p8_it30_s0'
 
 
+# item 2's other cells: dual with lambda_KL held by the batch ratio's target (extras/variants.py RatioHold, the
+# ratio GradientSplit measures every step) with each optimizer at its default, and lambda 1 run to 120 iterations
+RATIO_TARGET = 1.0      # the KL term's summed gradient as large as the policy term's (at 0.1: AdamW 1.16, Muon 0.64)
+LONG_ITERS = 120
+
+
+def extra_cells():
+    """{label: overrides}: dual at the ratio target with each optimizer; dual @ 1 to LONG_ITERS iterations."""
+    c = {}
+    for opt in LRS:
+        ov = dict(V.REF, kl_strategy='dual', kl_ratio_target=RATIO_TARGET, **held(0.1))  # from 0.1, then held
+        if opt != 'adamw':
+            ov.update(optimizer=opt, learning_rate=DEFAULT_LR[opt])
+        c[f'dual @ ratio {RATIO_TARGET:g}, {opt} {lr_name(DEFAULT_LR[opt])}'] = ov
+    c[f'dual @ 1, {LONG_ITERS} iterations'] = dict(V.REF, kl_strategy='dual', max_iters=LONG_ITERS, **held(1.0))
+    return c
+
+
 def lr_name(x):
     m, e = f'{x:e}'.split('e')
     return f'{float(m):g}e{int(e)}'  # 1e-4, 1.5e-4, 6e-5
@@ -133,8 +151,17 @@ def train_all(cs):
     # the learning-rate question first (issue 67's verdict), Muon's cells before AdamW's, seed-major: a budget cut
     # leaves every rate with the same seeds; then the strengths' and the velocity term's cells
     lr = sorted(lr_cells().values(), key=lambda ov: ov.get('optimizer', 'adamw') != 'muon')
-    jobs = [(ov, s) for s in range(seeds) for ov in lr] + [(cs[key], s) for key, s in todo(cs)]
-    jobs = [(ov, s) for ov, s in jobs if C.cached(P.name(ov, s)) is None]  # the workers share what is left
+    ex = extra_cells()
+    ratio_t = [ov for k, ov in ex.items() if 'ratio' in k]
+    long = [ov for k, ov in ex.items() if 'ratio' not in k]
+    sample = [(cs[('dual + sample', LAMS[0])], s) for s in range(seeds)]  # the velocity term, where it acts
+    jobs = ([(ov, s) for s in range(seeds) for ov in lr] + [(ov, s) for s in range(seeds) for ov in ratio_t] +
+            sample + [(ov, s) for s in range(seeds) for ov in long] + [(cs[key], s) for key, s in todo(cs)])
+    names = {}
+    for ov, s in jobs:  # each run once, in its first place; the workers share what is left
+        if C.cached(P.name(ov, s)) is None:
+            names.setdefault(P.name(ov, s), (ov, s))
+    jobs = list(names.values())
     for ov, s in jobs[worker::workers]:
         if C.over_budget():
             print(f'over the time budget of {budget_min} min: no new runs', flush=True)
