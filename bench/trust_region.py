@@ -45,8 +45,8 @@ sys.argv = _argv
 out = 'results'          # cells/ (committed, bench.paper's), trust_region.md/.json
 seeds = 5                # seeds 0..seeds-1 of every cell
 strengths = '0.1,1.0'    # lambda_KL held at each (besides the paper's schedule)
-worker = 0               # this process runs runs worker, worker + workers, ... of the ordered list
-workers = 1              # 2 cores -> 2 processes, each 1 thread
+worker = 0               # unused: workers take the next unclaimed run in order (claim)
+workers = 1              # 2 cores -> 2 processes, each 1 thread (each claims its runs)
 run = True               # False: only the report
 threads = 1              # torch threads of every train.py
 budget_min = 0.0         # start no new training run after this many minutes (0: no limit)
@@ -157,16 +157,33 @@ def train_all(cs):
     sample = [(cs[('dual + sample', LAMS[0])], s) for s in range(seeds)]  # the velocity term, where it acts
     jobs = ([(ov, s) for s in range(seeds) for ov in lr] + [(ov, s) for s in range(seeds) for ov in ratio_t] +
             sample + [(ov, s) for s in range(seeds) for ov in long] + [(cs[key], s) for key, s in todo(cs)])
-    names = {}
-    for ov, s in jobs:  # each run once, in its first place; the workers share what is left
-        if C.cached(P.name(ov, s)) is None:
-            names.setdefault(P.name(ov, s), (ov, s))
-    jobs = list(names.values())
-    for ov, s in jobs[worker::workers]:
+    for ov, s in jobs:  # in this order; a worker takes the next run no other has claimed
         if C.over_budget():
             print(f'over the time budget of {budget_min} min: no new runs', flush=True)
             break
-        C.train(P.name(ov, s), dict(common, **ov, seed=s))
+        if C.cached(P.name(ov, s)) is None and (workers == 1 or claim(P.name(ov, s))):
+            C.train(P.name(ov, s), dict(common, **ov, seed=s))
+
+
+def claim(name):
+    """True if this process may train run `name`: it created the claim (OUT/runs/claims/name, the claimant's
+    pid), or took it over from a claimant that is gone."""
+    d = os.path.join(out, 'runs', 'claims')
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, name)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: one creator
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return True
+        except FileExistsError:
+            try:
+                os.kill(int(open(path).read() or 0), 0)  # raises if the claimant is gone
+                return False
+            except (ProcessLookupError, ValueError):
+                os.remove(path)  # a dead claimant's: take it over
+    return False
 
 
 # ----------------------------------------------------------------------------- the report
