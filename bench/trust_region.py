@@ -152,8 +152,8 @@ def train_all(cs):
     # leaves every rate with the same seeds; then the strengths' and the velocity term's cells
     lr = sorted(lr_cells().values(), key=lambda ov: ov.get('optimizer', 'adamw') != 'muon')
     ex = extra_cells()
-    ratio_t = [ov for k, ov in ex.items() if 'ratio' in k]
-    long = [ov for k, ov in ex.items() if 'ratio' not in k]
+    ratio_t = [ov for k, ov in ex.items() if k.startswith('dual @ ratio')]
+    long = [ov for k, ov in ex.items() if not k.startswith('dual @ ratio')]
     sample = [(cs[('dual + sample', LAMS[0])], s) for s in range(seeds)]  # the velocity term, where it acts
     jobs = ([(ov, s) for s in range(seeds) for ov in lr] + [(ov, s) for s in range(seeds) for ov in ratio_t] +
             sample + [(ov, s) for s in range(seeds) for ov in long] + [(cs[key], s) for key, s in todo(cs)])
@@ -290,6 +290,7 @@ def report(cs):
     md += [table(['cell', 'seeds'] + [f'Δ {m} vs dual @ paper' for m in METRICS] + ['VQ, manifold >= base'], rows), '']
     md += watchers(res, runs)
     md += lr_section(res)
+    md += long_section(res)
     md += ratio_section(res)
     return res, md
 
@@ -371,7 +372,8 @@ def ratio_section(res):
 
 def lr_section(res):
     """Does dual beat the best 'none' at any learning rate, with VQ and the manifold distance held?"""
-    cs = lr_cells()
+    ratio_t = {k: ov for k, ov in extra_cells().items() if k.startswith('dual @ ratio')}
+    cs = lr_cells() | ratio_t
     runs = {k: [C.cached(P.name(ov, s)) for s in range(seeds)] for k, ov in cs.items()}
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     rows, cells = [], {}
@@ -380,6 +382,9 @@ def lr_section(res):
         cells[k] = dict(n=len(ok), **{m: mean([late(r, m) for r in ok]) for m in METRICS})
         cis = {m: V.paired([late(r, m) for r in ok], [0.0] * len(ok)) for m in METRICS}  # the mean's 95% t interval
         cells[k]['ci'] = {m: [c['lo'], c['hi']] for m, c in cis.items()}
+        if k in ratio_t and ok:  # the batch ratio it held (GradientSplit every step) and lambda_KL at the end
+            cells[k]['kl_ratio'] = mean([mean([i['kl_ratio'] for i in r['iters'][-10:]]) for r in ok])
+            cells[k]['lambda_end'] = mean([r['iters'][-1]['lambda_kl'] for r in ok])
         rows.append([k, len(ok) or 'not run'] + [('-' if cells[k][m] is None else
                                                   f'{cells[k][m]:.{4 if m == "manifold" else 3}f}' +
                                                   (f' ±{(cis[m]["hi"] - cis[m]["lo"]) / 2:.{4 if m == "manifold" else 3}f}'
@@ -407,6 +412,16 @@ def lr_section(res):
             verdicts[f'{dual} vs {k}'] = {m: dict(ci, verdict=V.verdict(ci)) for m, ci in cis.items()}
             rows.append([dual, k + (' (the best none)' if k == best else ''), cis['composite']['n']] +
                         [P.shown(cis[m], m) for m in METRICS])
+        tgt = next(k for k in ratio_t if k.split(', ')[1].startswith(opt))
+        for a, b in ((tgt, best), (tgt, dual)):  # the ratio target against the best 'none' and against 0.1
+            ss = [s for s in range(seeds) if runs[a][s] and runs[b][s]]
+            if len(ss) < 2:
+                continue
+            cis = {m: V.paired([SIGN[m] * late(runs[a][s], m) for s in ss], [SIGN[m] * late(runs[b][s], m) for s in ss])
+                   for m in METRICS}
+            verdicts[f'{a} vs {b}'] = {m: dict(ci, verdict=V.verdict(ci)) for m, ci in cis.items()}
+            rows.append([a, b + (' (the best none)' if b == best else ''), cis['composite']['n']] +
+                        [P.shown(cis[m], m) for m in METRICS])
         v = verdicts[f'{dual} vs {best}']
         wins = v['composite']['verdict'] == 'holds'
         held_q = all(v[m]['verdict'] != 'fails' for m in ('VQ', 'manifold'))
@@ -418,8 +433,47 @@ def lr_section(res):
                + ('**beats it**' if wins else '**does not beat it**') + f' ({V.fmt(v["composite"])}, '
                f'{v["composite"]["n"]} seeds), VQ {V.fmt(v["VQ"])}, manifold {V.fmt(v["manifold"], 4)} '
                + ('(both held).' if held_q else '(not both held).'), '']
+    held = [f'{k}: batch ratio {c["kl_ratio"]:.2f} over the last 10 iterations, lambda_KL {c["lambda_end"]:.3g} at the end '
+            f'({c["n"]} seeds)' for k, c in cells.items() if 'kl_ratio' in c]
+    if held:
+        md += [f'The ratio target (`kl_ratio_target={RATIO_TARGET:g}`, lambda_KL from 0.1, then target / the mean '
+               'measured ratio at lambda 1 over an anchor period): ' + '; '.join(held) + '.', '']
     res['lr_cells'], res['lr_verdicts'] = cells, verdicts
     return md
+
+
+def long_section(res):
+    """lambda 1 run to LONG_ITERS iterations: does it keep climbing past 60, and past dual @ 0.1?"""
+    key = f'dual @ 1, {LONG_ITERS} iterations'
+    long = [C.cached(P.name(extra_cells()[key], s)) for s in range(seeds)]
+    others = {k: [C.cached(P.name(ov, s)) for s in range(seeds)] for k, ov in
+              (('dual @ 0.1', cells()[('dual', 0.1)]), ('none', cells()[('none', PAPER)]))}
+    win = lambda r, a, b: sum(e[m] for e in r['evals'] if a <= e['iter'] <= b for m in ['composite']) / \
+        sum(1 for e in r['evals'] if a <= e['iter'] <= b)  # noqa: E731  the mean composite of evaluations a..b
+    md = ['## lambda_KL 1 to 120 iterations', '']
+    ok = [s for s in range(seeds) if long[s]]
+    if len(ok) < 2:
+        return md + [f'Not run yet ({len(ok)} of {seeds} seeds).', '']
+    rows, out = [], {}
+    late_w, early_w = (LONG_ITERS - P.late_iters, LONG_ITERS), (P.iters - P.late_iters, P.iters)
+    for name, a_runs, a_w, b_runs, b_w in (
+            (f'dual @ 1, iterations {late_w[0]}..{late_w[1]} vs its own {early_w[0]}..{early_w[1]}', long, late_w, long, early_w),
+            (f'dual @ 1, iterations {late_w[0]}..{late_w[1]} vs dual @ 0.1 at {early_w[0]}..{early_w[1]}', long, late_w,
+             others['dual @ 0.1'], early_w),
+            (f'dual @ 1, iterations {late_w[0]}..{late_w[1]} vs none at {early_w[0]}..{early_w[1]}', long, late_w,
+             others['none'], early_w)):
+        ss = [s for s in range(seeds) if a_runs[s] and b_runs[s]]
+        ci = V.paired([win(a_runs[s], *a_w) for s in ss], [win(b_runs[s], *b_w) for s in ss])
+        out[name] = dict(ci, verdict=V.verdict(ci))
+        rows.append([name, ci['n'], V.fmt(ci)])
+    curve = [sum(e['composite'] for r in (long[s] for s in ok) for e in r['evals'] if e['iter'] == it) / len(ok)
+             for it in range(0, LONG_ITERS + 1, 20)]
+    res['long'] = dict(pairs=out, curve=dict(zip(range(0, LONG_ITERS + 1, 20), curve)))
+    return md + [f'`dual` with lambda_KL held at 1, {LONG_ITERS} iterations (otherwise bench.paper\'s cells). Its mean '
+                 'held-out composite over the seeds at iterations ' +
+                 ', '.join(f'{it}: {c:.3f}' for it, c in res['long']['curve'].items()) + '. Paired (positive = the first '
+                 'is better), the mean composite of the evaluations in each window:', '',
+                 table(['comparison', 'seeds', 'Δ composite [95%]'], rows), '']
 
 
 def readme_lines(res):
