@@ -8,7 +8,7 @@ scores.
         --prompts=prompts/eval.txt
     python sample.py --model=weights/Wan2.1-T2V-1.3B --checkpoint=out-wan --device=cuda \
         --prompts=prompts/eval.txt
-    python sample.py --model=assets/toy_ar --beside=assets/toy --checkpoint=   # streaming (block by
+    python sample.py --model=assets/toy_story --beside=assets/toy --checkpoint=   # streaming (block by
         block from its KV cache, streaming/__init__.py) beside the bidirectional toy base
 
 Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16
@@ -40,7 +40,7 @@ from models.videoalign import load_reward
 model = 'assets/toy'            # the base model: a diffusers directory, or the toy world's
 checkpoint = 'out-toy'          # a train.py out_dir (its newest checkpoint), a ckpt_* dir; '' none
 beside = ''                     # another model directory, sampled beside with its own defaults:
-                                # --model=assets/toy_ar --beside=assets/toy (streaming vs not)
+                                # --model=assets/toy_story --beside=assets/toy (streaming vs not)
 prompts = 'assets/toy/eval_prompts.txt'  # one prompt, or a file with one prompt per line
 num_prompts = None              # prompts spread over the file (None: the toy's 16; else 4)
 samples = None                  # seeds per prompt, the sheet shows the first (None: toy 2, else 1)

@@ -83,6 +83,10 @@ def rows_of(cell, s):
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
+AR = ['--model=assets/toy_ar', '--train_steps=4']  # the AR toy these runs were of (python -m streaming.toy_ar builds
+                                                 # it; kvpo/config/grpo_toy.py now runs the story toy's student)
+
+
 def done(cell, s):
     return any(r['iter'] == sizes(cell)[0] and 'eval_composite' in r for r in rows_of(cell, s))
 
@@ -92,7 +96,7 @@ def train(cell, s):
     d = folder(cell, s)
     shutil.rmtree(d, ignore_errors=True)
     t0 = time.time()
-    p = subprocess.run([sys.executable, '-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py'] + CELLS[cell][1] + [
+    p = subprocess.run([sys.executable, '-m', 'kvpo.grpo_ar', 'kvpo/config/grpo_toy.py'] + AR + CELLS[cell][1] + [
         f'--seed={s}', f'--out_dir={d}', f'--max_iters={n}', f'--eval_every={n}', '--save_every=0'],
         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))  # one thread
     with open(os.path.join(d, 'log.txt'), 'w') as f:

@@ -12,6 +12,7 @@ generate(), the distilled one the released 4 steps with fresh re-noising):
 
 Rows: the base, the teacher-forced streaming toy (assets/toy_ar, 8 Euler steps), the distilled toy after stage 1
 (assets/toy_sf/ode_init) and after stage 2 (assets/toy_sf), and the DMD teacher (the base at cfg 3, 16 steps).
+assets/toy_ar and assets/toy_sf are built, not committed: python -m streaming.toy_ar, then python -m streaming.toy_sf.
 It also runs sample.py itself (--model=assets/toy_sf --beside=assets/toy) and checks that its metrics.json
 agrees with the rows here; its contact sheet becomes results/toy_sf.png.
 

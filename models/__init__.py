@@ -85,8 +85,10 @@ def family(path):
         with open(index) as f:
             name = json.load(f)['_class_name']
     except (OSError, ValueError, KeyError) as e:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a toy's DIR: from the repo's root
         built = [n for n in FAMILIES.values() if '.' in n and not os.path.exists(path) and  # a toy the repo builds
-                 os.path.normpath(getattr(importlib.import_module(n), 'DIR', '')) == os.path.normpath(path)]
+                 getattr(importlib.import_module(n), 'DIR', None) and
+                 os.path.join(root, importlib.import_module(n).DIR) == os.path.abspath(path)]
         if built:
             raise SystemExit(f'{path!r} is not built (a toy model the repository trains): python -m {built[0]}')
         raise SystemExit(f'{path!r} is not a diffusers model directory ({index}: {type(e).__name__}).\n'

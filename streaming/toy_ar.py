@@ -3,8 +3,8 @@ The toy world, streaming: a tiny block-causal Wan (streaming/__init__.py, the ma
 trained on the toy's clips (models/toy.py: the same world, captions, text table, exact autoencoder, reward
 and manifold distance), so the streaming path runs end to end on a CPU.
 
-    python -m streaming.toy_ar          # train it into assets/toy_ar (minutes on one busy CPU thread), evaluate
-    python -m streaming.toy_ar eval     # evaluate the committed one beside the bidirectional base (assets/toy)
+    python -m streaming.toy_ar          # train it into assets/toy_ar (18 min on one CPU thread), evaluate
+    python -m streaming.toy_ar eval     # evaluate it beside the bidirectional base (assets/toy)
     python sample.py --model=assets/toy_ar
     python -m pytest tests/test_toy_ar.py
 
@@ -41,7 +41,8 @@ from models.attention import backend as dispatcher_backend
 from streaming.wan_causal import CausalWanTransformer3DModel
 
 # ----------------------------------------------------------------------------- settings
-DIR = 'assets/toy_ar'           # committed model directory (transformer/, the toy's text table and prompts)
+DIR = 'assets/toy_ar'           # its model directory (transformer/, the toy's text table and prompts): built,
+                                # not committed (the story toy's student, assets/toy_story, succeeds it)
 LAYOUT = dict(block=1, sink=1, window=4, timesteps=tuple(range(1000, 0, -125)), shift=3.0,
               renoise='ode')  # the docstring's scaling: 8 Euler steps of the flow ODE a frame, as the base's sampler
 CONFIG = dict(patch_size=(1, 1, 1), num_attention_heads=3, attention_head_dim=32, in_channels=toy.LATENT_SHAPE[0],
@@ -150,7 +151,7 @@ def evaluate(path=DIR, seeds=EVAL_SEEDS):
 # ----------------------------------------------------------------------------- the model interface
 PIPELINE = 'ToyWorldAR'
 TRANSFORMER = 'ToyARTransformer'
-HUB_ID = None  # committed in assets/toy_ar
+HUB_ID = None  # built into assets/toy_ar by python -m streaming.toy_ar (not committed)
 DEFAULTS = dict(sample_steps=len(LAYOUT['timesteps']), shift=LAYOUT['shift'], cfg=1.0, fps=toy.FPS,
                 negative_prompt='', num_frames=toy.FRAMES, height=toy.HEIGHT, width=toy.WIDTH,
                 sample_prompts=16, sample_seeds=2)

@@ -46,14 +46,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models import policy, toy
+from models import family, policy, toy
 import streaming
 from streaming import toy_ar
 from streaming.wan_causal import CausalWanTransformer3DModel
 
 # ----------------------------------------------------------------------------- settings
 DIR = 'assets/toy_sf'           # committed model directory (transformer/, ode_init/, the toy's text table, prompts)
-INIT = 'assets/toy_ar'          # the student's starting weights: the teacher-forced streaming toy
+INIT = 'assets/toy_ar'          # the student's starting weights: the teacher-forced streaming toy (built:
+                                # python -m streaming.toy_ar)
 LAYOUT = dict(block=1, sink=1, window=4, timesteps=(1000, 750, 500, 250), shift=5.0,
               renoise='fresh')  # the released 4-step sampler; block, sink, window scaled as toy_ar's
 SEED = 1337                     # data stream, noise, exit steps
@@ -326,6 +327,7 @@ def train(init=None):
         log.flush()
 
     teacher = toy.load_model().requires_grad_(False)
+    family(init or os.path.join(toy._HERE, INIT))  # an unbuilt INIT (assets/toy_ar): the command that builds it
     net = load_student(init or os.path.join(toy._HERE, INIT)).train()
     say(f'init ({init or INIT}, 4-step sampler): probe composite {probe(net):.4f}')
     if init is None:

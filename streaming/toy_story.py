@@ -40,14 +40,15 @@ import torch
 import torch.nn.functional as F
 
 import sde
-from models import toy
+from models import family, toy
 import streaming
 from streaming import toy_ar
 from streaming.wan_causal import CausalWanTransformer3DModel
 
 # ----------------------------------------------------------------------------- settings
 DIR = 'out-toy-story'           # where the teacher and the students train (teacher/, ode_init/, student/)
-INIT = 'assets/toy_ar'          # the teacher's starting weights (the same Wan toy, teacher-forced causally)
+INIT = 'assets/toy_ar'          # the teacher's starting weights (the same Wan toy, teacher-forced causally;
+                                # built by python -m streaming.toy_ar, 18 min: the student succeeded it in assets/)
 SEGMENTS = 4                    # prompt segments a story (KVPO's long setting)
 SEG_FRAMES = 4                  # latent frames a segment (the toy's autoencoder: a latent frame is a frame)
 FRAMES = SEGMENTS * SEG_FRAMES  # 16 frames a story
@@ -297,6 +298,7 @@ def train(steps=STEPS, out=None):
     out = out or os.path.join(toy._HERE, DIR)
     os.makedirs(out, exist_ok=True)
     state_path = os.path.join(out, 'teacher_state.pt')
+    family(os.path.join(toy._HERE, INIT))  # an unbuilt INIT: the command that builds it
     net = ToyStoryTransformer.from_pretrained(os.path.join(toy._HERE, INIT, 'transformer'), torch_dtype=torch.float32)
     net = install(net.train())
     ema = copy.deepcopy(net).eval().requires_grad_(False)
@@ -406,21 +408,21 @@ def story_score(frames, stories, fps=toy.FPS):
 
 
 ASSET = 'assets/toy_story'        # the committed student (python -m streaming.toy_story publish)
-TRAIN_SEEDS = 4                  # stories a train caption in ASSET's train_stories.txt
+STORIES = ('prompts/toy_stories.txt', 'prompts/toy_stories_eval.txt')  # its train and held-out stories
+TRAIN_SEEDS = 4                  # stories a train caption in STORIES[0]
 
 
 def publish(src=os.path.join(DIR, 'student'), dst=ASSET):
     """The student in src made a model directory of this family: its weights and text table, model_index.json,
-    the stories as KVPO's prompt file reads them ('i,[p1],[p2],[p3],[p4]': TRAIN_SEEDS a train caption, one a
-    held-out caption) and the toy's held-out captions (the base's clip benchmark)."""
+    and the stories as KVPO's prompt file reads them into STORIES ('i,[p1],[p2],[p3],[p4]': TRAIN_SEEDS a train
+    caption, one a held-out caption); the held-out captions are the base's (assets/toy/eval_prompts.txt)."""
     import shutil
     src, dst = os.path.join(toy._HERE, src), os.path.join(toy._HERE, dst)
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(os.path.join(src, 'transformer'), os.path.join(dst, 'transformer'))
     shutil.copy(os.path.join(src, 'text_embeddings.safetensors'), dst)
-    shutil.copy(os.path.join(toy._HERE, toy.DIR, 'eval_prompts.txt'), dst)
-    for name, split, n in (('train_stories.txt', 'train', TRAIN_SEEDS), ('eval_stories.txt', 'eval', 1)):
-        with open(os.path.join(dst, name), 'w') as f:
+    for name, split, n in ((STORIES[0], 'train', TRAIN_SEEDS), (STORIES[1], 'eval', 1)):
+        with open(os.path.join(toy._HERE, name), 'w') as f:
             f.write(''.join(f'{i},' + ','.join(f'[{p}]' for p in st) + '\n' for i, st in enumerate(stories(split, n))))
     with open(os.path.join(dst, 'model_index.json'), 'w') as f:
         f.write('{\n "_class_name": "ToyWorldStory",\n "_comment": "the story toy\'s streaming student of '

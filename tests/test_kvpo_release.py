@@ -390,14 +390,14 @@ def test_bf16_training_rounds_away_small_steps(lora_model):
 def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
     from test_train import metrics
     out, held, story = str(tmp_path / 'run'), str(tmp_path / 'eval.txt'), str(tmp_path / 'story.txt')
-    with open(os.path.join(toy_ar.DIR, 'eval_prompts.txt')) as f:  # one held-out prompt: an evaluation in seconds
+    with open('assets/toy/eval_prompts.txt') as f:  # one held-out prompt: an evaluation in seconds
         open(held, 'w').write(f.readline())
-    train = open(os.path.join(toy_ar.DIR, 'train_prompts.txt')).read().split('\n')[:6]
-    open(story, 'w').write(''.join(f'{i},[{a}],[{b}]\n' for i, (a, b) in enumerate(zip(train[::2], train[1::2]))))
+    open(story, 'w').write(''.join(open('prompts/toy_stories.txt').readlines()[:3]))  # the story toy's 4 segments
     monkeypatch.setattr(sys, 'argv', [
-        'kvpo.train', 'kvpo/config/toy.py', '--prompts_per_iter=2', '--group=3', '--max_iters=1', '--eval_every=1',
-        '--save_every=0', f'--out_dir={out}', f'--eval_prompts={held}', '--tve_span=chunk', '--switch_frames=(6,)',
-        f'--train_prompts={story}',  # a story a line (two segments), re-cached at the switch: kvpo/train.py's defaults
+        'kvpo.train', 'kvpo/config/toy.py', 'kvpo/config/toy_story.py', '--prompts_per_iter=2', '--group=3',
+        '--max_iters=1', '--eval_every=1', '--save_every=0', f'--out_dir={out}', f'--eval_prompts={held}',
+        '--eval_stories=', '--tve_span=chunk', '--switch_recache=True',
+        f'--train_prompts={story}',  # a story a line, re-cached at each switch: kvpo/train.py's defaults
         '--context_noise=0.005', '--lr_schedule=constant_with_warmup', '--train_dtype=bfloat16',
         '--release_reads=True'])
     g = runpy.run_module('kvpo.train', run_name='__main__')
@@ -405,7 +405,7 @@ def test_released_choices_run_the_toy_loop(tmp_path, monkeypatch):
     (row,) = [r for r in rows if 'loss' in r]
     assert row['lr'] == 0 and row['grad_norm'] > 0 and row['loss'] == row['loss']
     assert [r['iter'] for r in rows if 'eval_composite' in r] == [0, 1]  # the bf16 weights evaluated
-    assert g['switch_recache'] and all(p in segments.stories(open(story).readlines(), 2) for _, p in g['my_prompts'](0))
+    assert g['switch_recache'] and all(p in segments.stories(open(story).readlines(), 4) for _, p in g['my_prompts'](0))
     # the trained weights in bf16 (but diffusers' fp32 modules: the norms, the time embedding), their EMA in fp32
     keep = toy_ar.ToyARTransformer._keep_in_fp32_modules
     assert all((p.dtype == torch.float32) == any(k in n for k in keep) for n, p in g['trained'])

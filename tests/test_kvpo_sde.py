@@ -109,7 +109,7 @@ def test_grpo_ar_runs_on_the_toy(tmp_path, monkeypatch):
     import sys
     from test_train import metrics
     evals = tmp_path / 'eval.txt'
-    evals.write_text('\n'.join(open('assets/toy_ar/eval_prompts.txt').read().splitlines()[:2]) + '\n')
+    evals.write_text('\n'.join(open('assets/toy/eval_prompts.txt').read().splitlines()[:2]) + '\n')
     out = str(tmp_path / 'run')
     monkeypatch.setattr(sys, 'argv', ['kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', '--prompts_per_iter=1', '--group=3',
                                       '--max_iters=2', '--eval_every=2', '--save_every=0', f'--eval_prompts={evals}',

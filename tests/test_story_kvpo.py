@@ -45,11 +45,11 @@ def test_the_committed_student_is_its_own_family():
     assert torch.equal(fam.context(enc(['it turns up'])), ts.encode(['it turns up']))
     with pytest.raises(SystemExit, match='outside'):
         enc(['it jumps'])
-    for name in ('train_stories.txt', 'eval_stories.txt'):
-        lines = open(os.path.join(ASSET, name)).read().splitlines()
+    for name in ts.STORIES:  # prompts/toy_stories.txt, prompts/toy_stories_eval.txt
+        lines = open(os.path.join(ROOT, name)).read().splitlines()
         for st in segments.stories(lines, 4):
             ts.parse_story(st)  # every line a story
-    assert len(open(os.path.join(ASSET, 'eval_stories.txt')).read().splitlines()) == 16
+    assert len(open(os.path.join(ROOT, ts.STORIES[1])).read().splitlines()) == 16
 
 
 def test_the_committed_student_samples_in_four_steps_near_the_base():

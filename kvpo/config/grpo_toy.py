@@ -1,17 +1,19 @@
-# GRPO with an SDE on the AR toy (kvpo/grpo_ar.py): the baseline beside KVPO (kvpo/config/toy.py), the same
-# model, prompts, optimizer, EMA and held-out evaluation, so bench/kvpo_verdicts.py pairs them seed by seed.
+# GRPO with an SDE on the toy's streaming student (kvpo/grpo_ar.py): the baseline beside KVPO (kvpo/config/toy.py),
+# the same model, prompts, optimizer, EMA and held-out evaluation, so bench/kvpo_verdicts.py pairs them seed by seed.
 #   python -m kvpo.grpo_ar kvpo/config/grpo_toy.py
-# Each frame's 8 denoising steps are SAGE steps (eta 0.5); 4 of them, drawn each iteration, carry the loss.
-model = 'assets/toy_ar'
+# Each frame's 4 denoising steps are SAGE steps (eta 0.5); 2 of them, drawn each iteration, carry the loss (KVPO's
+# replay trains 2 of the 4 too). (Until issue 69: the AR toy, assets/toy_ar, 4 of its 8 steps trained.)
+model = 'assets/toy_story'
 reward_model = 'world'          # the toy world's exact reward
 reward_weights = (0.5, 0.5, 1.0)  # Setting B, the toy's composite
-train_prompts = 'assets/toy_ar/train_prompts.txt'
-eval_prompts = 'assets/toy_ar/eval_prompts.txt'
+train_prompts = 'assets/toy/train_prompts.txt'
+eval_prompts = 'assets/toy/eval_prompts.txt'
 device = 'cpu'
 fps = 8
 lora_rank = 0                   # the whole tiny model trains
 group = 6                       # G: KVPO's K on the toy
 frames = 9
+train_steps = 2                 # of the 4 SDE steps
 eval_frames = 9
 prompts_per_iter = 4            # 4 prompts an iteration (over all ranks), KVPO's
 learning_rate = 1e-4            # KVPO's toy setting
