@@ -1,5 +1,5 @@
 # KVPO on the distilled streaming toy (streaming/toy_sf.py): the released 4-step sampler (sigmas 1, .9375, .8333,
-# .625, fresh re-noising, no guidance), the toy's layout (block 1, sink 1, window 4). An overlay of the AR toy's
+# .625, fresh re-noising, no guidance), the toy's layout (block 1, sink 1, window 4). An overlay of the toy's
 # config, whose every other setting it keeps (the first 2 of the 4 steps carry gradient, as released); the
 # verdicts of bench/kvpo_verdicts.py run on it, at this lr 1e-4 and the released 1e-5.
 #   python -m kvpo.train kvpo/config/toy.py kvpo/config/toy_sf.py
