@@ -490,6 +490,12 @@ def readme_lines(res):
                      f'{V.fmt(v["composite"])} over {v["composite"]["n"]} seeds, VQ {V.fmt(v["VQ"])}, manifold '
                      f'distance lower by {V.fmt(v["manifold"], 4)})')
     parts += [f'{opt}: not run yet' for opt in LRS if opt not in res.get('lr_verdict', {})]
+    tv = res.get('lr_verdicts', {})
+    held = [(k, v) for k, v in tv.items() if k.startswith('dual @ ratio') and ' vs none' in k]
+    if held:  # the ratio target against each optimizer's best 'none'
+        parts.append('held at the batch ratio ' + f'{RATIO_TARGET:g} instead: ' + '; '.join(
+            f'{k.split(" vs ")[0].split(", ")[1]} Δ composite {V.fmt(v["composite"])} ({v["composite"]["verdict"]}), '
+            f'VQ {V.fmt(v["VQ"])}, manifold {V.fmt(v["manifold"], 4)}' for k, v in held))
     ratio = res.get('ratio', {})
     r = '; '.join(f'{k} {v["mean"]:.2f}' for k, v in ratio.items() if k.startswith('dual'))
     return [f'- *The trust region or a smaller step* (`python -m bench.trust_region`, paired seeds, 60 iterations of 8 '
