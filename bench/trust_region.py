@@ -512,8 +512,8 @@ if __name__ == '__main__':
     print(f'bench.trust_region: {len(cs)} cells x {seeds} seeds ({n_new} runs not cached); out={out}', flush=True)
     if run:
         if worker == 0:
-            for label, ov in RATIO_RUNS.items():
-                C.train(ratio_cell(label), dict(RATIO_COMMON, **ov))
+            for lab, ov in RATIO_RUNS.items():
+                C.train(ratio_cell(lab), dict(RATIO_COMMON, **ov))
         train_all(cs)
     res, md = report(cs)
     missing = sum(r is None for ov in cs.values() for r in [C.cached(P.name(ov, s)) for s in range(seeds)])
