@@ -3,7 +3,8 @@ The dual trust region where it acts (docs/method.md section 5): Fig. 8's KL stra
 none) at the paper's lambda_KL and at two held strengths, decided by paired seeds on the toy.
 
     python -m bench.trust_region                        # every cell (~35 new runs of ~7 min on one idle core)
-    python -m bench.trust_region --workers=2 --worker=1 # with --worker=0 beside it: 2 processes on 2 cores
+    python -m bench.trust_region --workers=2 --worker=1 # with --worker=0 beside it: 2 processes on 2 cores, each
+                                                        # taking the next run the other has not claimed
     python -m bench.trust_region --run=False            # only the report, from the cells cached
 
 The cells are bench.paper's (8 prompts x G=4, 60 iterations, an evaluation every 5; the same names and cache, so
@@ -45,7 +46,7 @@ sys.argv = _argv
 out = 'results'          # cells/ (committed, bench.paper's), trust_region.md/.json
 seeds = 5                # seeds 0..seeds-1 of every cell
 strengths = '0.1,1.0'    # lambda_KL held at each (besides the paper's schedule)
-worker = 0               # unused: workers take the next unclaimed run in order (claim)
+worker = 0               # worker 0 also trains the ratio runs; every worker takes the next unclaimed run (claim)
 workers = 1              # 2 cores -> 2 processes, each 1 thread (each claims its runs)
 run = True               # False: only the report
 threads = 1              # torch threads of every train.py
