@@ -8,8 +8,8 @@ scores.
         --prompts=prompts/eval.txt
     python sample.py --model=weights/Wan2.1-T2V-1.3B --checkpoint=out-wan --device=cuda \
         --prompts=prompts/eval.txt
-    python sample.py --model=assets/toy_story --beside=assets/toy --checkpoint=   # streaming (block by
-        block from its KV cache, streaming/__init__.py) beside the bidirectional toy base
+    python sample.py --model=assets/toy_story --beside=assets/toy --checkpoint=
+        # streaming (block by block from its KV cache) beside the bidirectional base
 
 Settings left at None take the world's defaults (the toy's: config/toy.py's sampling, its 16
 held-out prompts x 2 seeds, as train.py evaluates them but other seeds; or the model family's

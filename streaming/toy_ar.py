@@ -92,11 +92,12 @@ def train_loss(net, frames, captions, gen, table=None):
     return (v[:, :, n:] - (noise - x0)).square().mean()
 
 
-def train():
+def train(steps=STEPS, out=None):
+    """`steps` optimizer steps into out (DIR by default): the EMA weights, the log and the toy's text files."""
     from safetensors.torch import load_file
     import shutil
     torch.set_num_threads(toy.THREADS)  # one thread: reproducible, and fast on a busy CPU
-    out = os.path.join(toy._HERE, DIR)
+    out = os.path.join(toy._HERE, out or DIR)
     os.makedirs(out, exist_ok=True)
     for f in ('text_embeddings.safetensors', 'train_prompts.txt', 'eval_prompts.txt'):  # the toy's own
         shutil.copy(os.path.join(toy._HERE, toy.DIR, f), out)
@@ -105,8 +106,8 @@ def train():
     opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
     gen = torch.Generator().manual_seed(SEED)
     log, t0, smooth = open(os.path.join(out, 'train.log'), 'w'), time.time(), None
-    for step in range(STEPS):
-        lr = LR * min(1, (step + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * step / STEPS))
+    for step in range(steps):
+        lr = LR * min(1, (step + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g['lr'] = lr
         loss = train_loss(net, *toy.data(gen, BATCH), gen, table)
@@ -116,11 +117,11 @@ def train():
         opt.step()
         ema_update(ema, net, step, EMA)
         smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
-        if step % 100 == 0 or step == STEPS - 1:
+        if step % 100 == 0 or step == steps - 1:
             line = f'step {step:5d}  loss {loss.item():.4f}  smoothed {smooth:.4f}  lr {lr:.2e}  {time.time() - t0:6.0f}s'
             print(line, flush=True)
             log.write(line + '\n')
-    log.write(f'done: {STEPS} steps of {BATCH} clips in {time.time() - t0:.0f}s on one thread\n')
+    log.write(f'done: {steps} steps of {BATCH} clips in {time.time() - t0:.0f}s on one thread\n')
     log.close()
     ema.save_pretrained(os.path.join(out, 'transformer'))
     with open(os.path.join(out, 'model_index.json'), 'w') as f:

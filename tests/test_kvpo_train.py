@@ -46,12 +46,7 @@ TIMES = ('t_rollout', 't_update')
 def model(tmp_path_factory):
     from streaming import toy_ar
     d = str(tmp_path_factory.mktemp('kvpo_model') / 'toy_ar')
-    old = toy_ar.DIR, toy_ar.STEPS
-    toy_ar.DIR, toy_ar.STEPS = d, 2
-    try:
-        toy_ar.train()
-    finally:
-        toy_ar.DIR, toy_ar.STEPS = old
+    toy_ar.train(steps=2, out=d)
     with open(os.path.join(d, 'eval_prompts.txt')) as f:  # two held-out prompts: an evaluation in seconds
         lines = f.read().splitlines()[:2]
     with open(os.path.join(d, 'eval_prompts.txt'), 'w') as f:

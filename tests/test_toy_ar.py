@@ -27,12 +27,7 @@ def built(tmp_path_factory):
     """A toy_ar model directory of 2 training steps, made by the script itself."""
     torch.set_num_threads(1)
     d = str(tmp_path_factory.mktemp('toy_ar') / 'toy_ar')
-    old = toy_ar.DIR, toy_ar.STEPS
-    toy_ar.DIR, toy_ar.STEPS = d, 2
-    try:
-        toy_ar.train()
-    finally:
-        toy_ar.DIR, toy_ar.STEPS = old
+    toy_ar.train(steps=2, out=d)
     return d
 
 

@@ -128,9 +128,8 @@ def test_rollout_one_exit_step_carries_gradient():
 def test_training_script_runs_end_to_end(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     ar = str(tmp_path / 'toy_ar')  # its start and stage-1 teacher, no longer committed: a 2-step one built here
-    monkeypatch.setattr(toy_ar, 'DIR', ar)
-    monkeypatch.setattr(toy_ar, 'STEPS', 2)
-    toy_ar.train()
+    monkeypatch.setattr(toy_ar, 'DIR', ar)  # stage 1's AR teacher is read from DIR
+    toy_ar.train(steps=2, out=ar)
     monkeypatch.setattr(toy_sf, 'INIT', ar)
     for k, v in dict(DIR=str(tmp_path / 'toy_sf'), ODE_CLIPS=4, ODE_ITERS=2, ODE_BATCH=2, DMD_ITERS=2, DMD_BATCH=2,
                      CRITIC_WARMUP=1).items():
