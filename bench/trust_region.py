@@ -95,6 +95,11 @@ def extra_cells():
     return c
 
 
+def ratio_cells():
+    """The extra cells held by the ratio target (one an optimizer)."""
+    return {k: ov for k, ov in extra_cells().items() if k.startswith('dual @ ratio')}
+
+
 def lr_name(x):
     m, e = f'{x:e}'.split('e')
     return f'{float(m):g}e{int(e)}'  # 1e-4, 1.5e-4, 6e-5
@@ -152,9 +157,8 @@ def train_all(cs):
     # the learning-rate question first (issue 67's verdict), Muon's cells before AdamW's, seed-major: a budget cut
     # leaves every rate with the same seeds; then the strengths' and the velocity term's cells
     lr = sorted(lr_cells().values(), key=lambda ov: ov.get('optimizer', 'adamw') != 'muon')
-    ex = extra_cells()
-    ratio_t = [ov for k, ov in ex.items() if k.startswith('dual @ ratio')]
-    long = [ov for k, ov in ex.items() if not k.startswith('dual @ ratio')]
+    ratio_t = list(ratio_cells().values())
+    long = [ov for k, ov in extra_cells().items() if k not in ratio_cells()]
     sample = [(cs[('dual + sample', LAMS[0])], s) for s in range(seeds)]  # the velocity term, where it acts
     jobs = ([(ov, s) for s in range(seeds) for ov in lr] + [(ov, s) for s in range(seeds) for ov in ratio_t] +
             sample + [(ov, s) for s in range(seeds) for ov in long] + [(cs[key], s) for key, s in todo(cs)])
@@ -373,7 +377,7 @@ def ratio_section(res):
 
 def lr_section(res):
     """Does dual beat the best 'none' at any learning rate, with VQ and the manifold distance held?"""
-    ratio_t = {k: ov for k, ov in extra_cells().items() if k.startswith('dual @ ratio')}
+    ratio_t = ratio_cells()
     cs = lr_cells() | ratio_t
     runs = {k: [C.cached(P.name(ov, s)) for s in range(seeds)] for k, ov in cs.items()}
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
@@ -406,20 +410,12 @@ def lr_section(res):
         enough = min(3, max(cells[k]['n'] for k in nones))  # the best: the highest composite of 3 seeds or more
         best = max([k for k in nones if cells[k]['n'] >= enough], key=lambda k: cells[k]['composite'])
         rows = []
-        for k in nones:
-            ss = [s for s in range(seeds) if runs[dual][s] and runs[k][s]]
-            cis = {m: V.paired([SIGN[m] * late(runs[dual][s], m) for s in ss], [SIGN[m] * late(runs[k][s], m) for s in ss])
-                   for m in METRICS}
-            verdicts[f'{dual} vs {k}'] = {m: dict(ci, verdict=V.verdict(ci)) for m, ci in cis.items()}
-            rows.append([dual, k + (' (the best none)' if k == best else ''), cis['composite']['n']] +
-                        [P.shown(cis[m], m) for m in METRICS])
         tgt = next(k for k in ratio_t if k.split(', ')[1].startswith(opt))
-        for a, b in ((tgt, best), (tgt, dual)):  # the ratio target against the best 'none' and against 0.1
-            ss = [s for s in range(seeds) if runs[a][s] and runs[b][s]]
-            if len(ss) < 2:
+        # dual against each 'none'; the ratio target against the best 'none' and against 0.1 (where run)
+        for a, b in [(dual, k) for k in nones] + [(tgt, best), (tgt, dual)]:
+            cis = {m: compare(runs, a, b, m) for m in METRICS}
+            if a == tgt and cis['composite']['n'] < 2:
                 continue
-            cis = {m: V.paired([SIGN[m] * late(runs[a][s], m) for s in ss], [SIGN[m] * late(runs[b][s], m) for s in ss])
-                   for m in METRICS}
             verdicts[f'{a} vs {b}'] = {m: dict(ci, verdict=V.verdict(ci)) for m, ci in cis.items()}
             rows.append([a, b + (' (the best none)' if b == best else ''), cis['composite']['n']] +
                         [P.shown(cis[m], m) for m in METRICS])
