@@ -145,11 +145,11 @@ def label(key):
 
 def todo(cs):
     """[(key, seed)]: dual at the first strength with 'none', seed-major; then the next strength's dual; then the
-    velocity term's cells: a budget cut leaves the most informative comparison complete first."""
+    velocity term's cells; then moving (the check that it is dual): a budget cut leaves the most informative comparison complete first."""
     order = [(k, s) for s in range(seeds) for k in (('none', PAPER), ('dual', LAMS[0]))]
     order += [(('dual', lam), s) for lam in LAMS[1:] for s in range(seeds)]
     order += [((st, lam), s) for lam in LAMS for s in range(seeds) for st in ('dual + sample', 'stepwise + sample')]
-    return order
+    return order + [(('moving', PAPER), s) for s in range(seeds)]  # last: dual's run by construction (the check)
 
 
 def train_all(cs):

@@ -86,11 +86,14 @@ def family(path):
             name = json.load(f)['_class_name']
     except (OSError, ValueError, KeyError) as e:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a toy's DIR: from the repo's root
-        built = [n for n in FAMILIES.values() if '.' in n and not os.path.exists(path) and  # a toy the repo builds
-                 getattr(importlib.import_module(n), 'DIR', None) and
+        built = [f'python -m {n}' for n in FAMILIES.values() if '.' in n and not os.path.exists(path) and
+                 getattr(importlib.import_module(n), 'DIR', None) and  # a toy the repo builds
                  os.path.join(root, importlib.import_module(n).DIR) == os.path.abspath(path)]
+        built += [cmd for n in FAMILIES.values() if not os.path.exists(path)  # or a second one (models/toy.py)
+                  for d, cmd in getattr(load_family(n), 'BUILT_DIRS', {}).items()
+                  if os.path.join(root, d) == os.path.abspath(path)]
         if built:
-            raise SystemExit(f'{path!r} is not built (a toy model the repository trains): python -m {built[0]}')
+            raise SystemExit(f'{path!r} is not built (a toy model the repository trains): {built[0]}')
         raise SystemExit(f'{path!r} is not a diffusers model directory ({index}: {type(e).__name__}).\n'
                          f'Download the weights first, e.g.\n'
                          f'  hf download {load_family(DEFAULT).HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'

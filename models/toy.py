@@ -4,6 +4,7 @@ small enough that SAGE-GRPO runs end to end on a 2-core CPU in minutes, with rew
 is exact because the world is rendered, not filmed.
 
     python -m models.toy            # pretrain the base model into assets/toy (21 min on a busy 2-core CPU), evaluate it
+    python -m models.toy wide       # the same recipe at twice the width into assets/toy_wide (not committed; ~40 min)
     python -m models.toy eval       # evaluate the committed base model (the README's numbers)
     python -m pytest tests/test_toy.py
 
@@ -70,6 +71,10 @@ CONFIG = dict(in_channels=2 * LATENT_SHAPE[0] + 1, out_channels=LATENT_SHAPE[0],
               attention_head_dim=32, num_layers=2, num_refiner_layers=1, mlp_ratio=4.0, patch_size=1,
               patch_size_t=1, text_embed_dim=TEXT_DIM, text_embed_2_dim=TEXT_2_DIM, image_embed_dim=12,
               rope_axes_dim=(8, 12, 12), target_size=HEIGHT, task_type='t2v')
+# the second scale (bench/trust_region_wide.py): twice the width (6 heads of 32: 192), everything else the same
+WIDE_DIR = 'assets/toy_wide'
+WIDE = dict(num_attention_heads=6)
+BUILT_DIRS = {WIDE_DIR: 'python -m models.toy wide'}  # models.family names the command when one is missing
 # pretraining (python -m models.toy)
 SEED = 1337                     # seeds the text table, the model init and the data stream
 STEPS = 4000                    # optimizer steps
@@ -323,11 +328,11 @@ def reward(frames, prompts, fps=FPS):
 
 # ----------------------------------------------------------------------------- base model
 
-def build_model():
+def build_model(**overrides):
     """A randomly initialised base model (seeded), its dead ByT5 branch zeroed and frozen."""
     from diffusers import HunyuanVideo15Transformer3DModel
     torch.manual_seed(SEED)
-    net = HunyuanVideo15Transformer3DModel(**CONFIG)
+    net = HunyuanVideo15Transformer3DModel(**dict(CONFIG, **overrides))
     for name, p in net.context_embedder_2.named_parameters():
         # its input is always zeros and its output is masked and zeroed by the transformer:
         # zero weights change nothing, save optimizer work, and compress to nothing in git
@@ -356,21 +361,25 @@ def data(gen, n):
     return frames, ['' if drop[i] else caption(colour[i], shape[i], direction[i]) for i in range(n)]
 
 
-def pretrain():
-    """Rectified-flow matching: x_s = (1 - s) x0 + s noise, the model predicts v = noise - x0."""
+def pretrain(path=DIR, **overrides):
+    """Rectified-flow matching: x_s = (1 - s) x0 + s noise, the model predicts v = noise - x0.
+    overrides: CONFIG's (the second scale's WIDE); a new directory gets the toy's model_index.json."""
+    import shutil
     from safetensors.torch import save_file
     velocity = policy.velocity  # the same guided forward train.py uses
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(THREADS)  # a fixed count: float sums, hence the weights, depend on it
-    out = os.path.join(_HERE, DIR)
+    out = os.path.join(_HERE, path)
     os.makedirs(out, exist_ok=True)
+    if out != os.path.join(_HERE, DIR):
+        shutil.copy(os.path.join(_HERE, DIR, 'model_index.json'), out)
     for name, keep in (('train_prompts.txt', False), ('eval_prompts.txt', True)):
         with open(os.path.join(out, name), 'w') as f:
             f.writelines(p + '\n' for p in all_prompts() if is_eval_prompt(p) == keep)
     table = make_table()  # (V, TEXT_DIM)
     save_file({'embeddings': table}, os.path.join(out, 'text_embeddings.safetensors'))
-    net = build_model().train()
-    ema = build_model().eval().requires_grad_(False)
+    net = build_model(**overrides).train()
+    ema = build_model(**overrides).eval().requires_grad_(False)
     ema.load_state_dict(net.state_dict())
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
@@ -489,6 +498,8 @@ def latent_shape(path, num_frames, height, width):
 
 
 if __name__ == '__main__':
-    if sys.argv[1:] != ['eval']:
-        pretrain()
-    print({k: round(v, 4) for k, v in evaluate(load_model()).items()})
+    wide = 'wide' in sys.argv[1:]
+    path = WIDE_DIR if wide else DIR
+    if 'eval' not in sys.argv[1:]:
+        pretrain(path, **(WIDE if wide else {}))
+    print({k: round(v, 4) for k, v in evaluate(load_model(path)).items()})
