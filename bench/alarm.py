@@ -1,7 +1,7 @@
 """
 The reward-hacking alarm (models/evaluate.py Alarm, docs/method.md section 9) replayed on recorded toy runs:
 bench.trust_region's cells 'none' and 'dual' with lambda_KL held at 0.1 and at 1 (8 prompts x G=4, 60
-iterations, AdamW at 1e-4, an evaluation every 5, seeds 0..4). Each run's evaluations are its logged means;
+iterations, AdamW at 1e-4, an evaluation every 5, seeds 0..4), and four later cells of the same bench (CELLS). Each run's evaluations are its logged means;
 the alarm compares them with the base model's held-out items (iteration 0, the same for a seed's runs) and
 with the data's watchers (the clean renders of the held-out items, models/evaluate.py HeldOut.reference).
 
@@ -39,7 +39,15 @@ SEEDS = range(5)
 REF = 'prompts_per_iter-8_sampler-sage_it60_e5'  # bench.paper's reference cells (bench.trust_region's names)
 HELD = 'kl_init-{0}_kl_max-{0}_kl_min-{0}_kl_strategy-dual_kl_warmup-0'  # lambda_KL held at {0}
 CELLS = {'none': f'v_equalizer-True_kl_strategy-none_{REF}', 'dual @ 0.1': f'v_equalizer-True_{HELD.format(0.1)}_{REF}',
-         'dual @ 1': f'v_equalizer-True_{HELD.format(1.0)}_{REF}'}
+         'dual @ 1': f'v_equalizer-True_{HELD.format(1.0)}_{REF}',
+         # recorded with the entropy at 5 levels: two that improve (VQ up, the manifold distance down in every
+         # seed) and two whose VQ ends below the base model's in some seeds
+         'dual @ ratio 1': 'v_equalizer-True_kl_init-0.1_kl_max-0.1_kl_min-0.1_kl_ratio_target-1.0_'
+                           f'kl_strategy-dual_kl_warmup-0_{REF}',
+         'dual + sample @ 0.1': f'v_equalizer-True_kl_estimator-sample_{HELD.format(0.1)}_{REF}',
+         'stepwise + sample @ 1': f'v_equalizer-True_kl_estimator-sample_{HELD.format(1.0).replace("dual", "stepwise")}_{REF}',
+         'none, muon 3e-4': f'v_equalizer-True_kl_strategy-none_learning_rate-0.0003_optimizer-muon_{REF}'}
+FOUR_LEVELS = ('none', 'dual @ 0.1', 'dual @ 1')  # recorded before the entropy's 5 levels: LEFT_OUT of these
 LEFT_OUT = ('entropy',)  # recorded at another LEVELS (the docstring)
 SHOWN = ('composite', 'VQ', 'manifold', 'saturation', 'brightness', 'edges')  # the noise printed of each seed
 
@@ -92,18 +100,21 @@ def write_fixture():
     cells = {run: [json.load(open(f'results/cells/{name}_s{s}.json')) for s in SEEDS] for run, name in CELLS.items()}
     out = dict(about="bench/alarm.py --extract: the base model's held-out items of each seed, rerun; each run's "
                      "recorded evaluation means (results/cells); the data's watchers", z=z, base={}, runs={})
+    kept = lambda run, keys: [k for k in keys if not (run in FOUR_LEVELS and k in LEFT_OUT)]  # noqa: E731
     for s in SEEDS:
         items = base_items(cells['none'][s]['overrides'])
-        got, recorded = means(items), cells['none'][s]['evals'][0]
-        off = {k: (got[k], recorded[k]) for k in got if k not in LEFT_OUT and abs(got[k] - recorded[k]) > 1e-5}
-        assert not off, f"seed {s}: the base model's items do not give the recorded means: {off}"
-        out['base'][s] = {k: [g(r[k]) for r in items] for k in items[0] if k not in LEFT_OUT}
+        got = means(items)
+        for run in cells:  # iteration 0 of every run of a seed is the same base model's evaluation
+            recorded = cells[run][s]['evals'][0]
+            off = {k: (got[k], recorded[k]) for k in kept(run, got) if abs(got[k] - recorded[k]) > 1e-5}
+            assert not off, f"seed {s}: the base model's items do not give {run}'s recorded means: {off}"
+        out['base'][s] = {k: [g(r[k]) for r in items] for k in items[0]}
     for run, per_seed in cells.items():
         out['runs'][run] = {s: dict(iter=[e['iter'] for e in c['evals']],
-                                    **{k: [g(e[k]) for e in c['evals']] for k in out['base'][s]},
+                                    **{k: [g(e[k]) for e in c['evals']] for k in kept(run, out['base'][s])},
                                     recorded_alarm=[e.get('alarm', []) for e in c['evals']])  # the rule it ran with
                             for s, c in zip(SEEDS, per_seed)}
-    out['data'] = {k: g(v) for k, v in data_watchers().items() if k not in LEFT_OUT + NOT_WATCHED}
+    out['data'] = {k: g(v) for k, v in data_watchers().items() if k not in NOT_WATCHED}
     with open(fixture, 'w') as f:
         json.dump(out, f, separators=(',', ':'))
 

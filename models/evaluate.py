@@ -13,8 +13,9 @@ manifold; the means over all items. And the reward-hacking alarm that watches th
 The alarm (docs/method.md section 9) reads each evaluation's means, as metrics.jsonl logs them. A watcher
 (each score and frame statistic) goes wrong by moving away from the data, where the world has some (`data`:
 the toy's clean renders of the held-out items, scored as the items are): its distance to the data's value
-grew from the base model's (iteration 0). Without data, it goes wrong by moving its WRONG way from the base
-model's, and its alarm line says so. A move counts beyond `z` standard errors of the base model's mean over
+grew from the base model's (iteration 0); a one-sided watcher (WRONG: colour entropy falling, say) only on its
+wrong side of the data. Without data, it goes wrong by moving its WRONG way from the base model's, and its
+alarm line says so. A move counts beyond `z` standard errors of the base model's mean over
 the held-out items (its spread over the items / sqrt(n)): a shift that a fresh draw of items would tell,
 not merely one that the same items show. At an evaluation where the composite rose beyond its noise, a
 watcher that went wrong beyond its own is flagged; flagged at two evaluations in a row, it trips the alarm.
@@ -119,10 +120,12 @@ class Alarm:
         base, data = means(self.base), data or {}
         away = {}  # how far each watcher went its wrong way since the base model's evaluation
         for k in [k for k in base if k in now and k not in NOT_WATCHED]:
-            if k in data:  # further from the data than the base model was: past it, or away on its own side
-                away[k] = abs(now[k] - data[k]) - abs(base[k] - data[k])
+            way = WRONG.get(k, -1)
+            if k in data:  # further from the data than the base model was: past it, or away on its own side;
+                # a one-sided watcher only on its WRONG side of the data (past it the other way is not its failure)
+                wrong_side = not way or (now[k] - data[k]) * way >= 0
+                away[k] = abs(now[k] - data[k]) - abs(base[k] - data[k]) if wrong_side else float('-inf')
             else:  # no data: WRONG's way from the base model
-                way = WRONG.get(k, -1)
                 away[k] = (now[k] - base[k]) * way if way else abs(now[k] - base[k])
         flagged = []
         if now['composite'] - base['composite'] > self.z * self.noise('composite'):  # did something pay for it?

@@ -228,6 +228,30 @@ def test_a_one_sided_watcher_falling_toward_the_data_is_not_flagged():
     assert c(20, moved(vq, 'VQ', 0.25), dict(VQ=1.0))[0]['alarm'] == ['VQ']
 
 
+
+def test_a_one_sided_watcher_is_judged_on_its_wrong_side_of_the_data_only():
+    # the toy at 5 levels: entropy 0.489 in the base model, 0.533 in the data; a run that brings the shapes to
+    # the data's saturation ends at ~0.65, past the data on its rising side: more colours than the renders, not
+    # the loss of detail (falling) the watcher is for, so never flagged however far; falling further below the
+    # data than the base model stood (0.42: 0.113 from it, the base 0.044) is, and trips at the second
+    base = watcher_items(32, 'entropy', 0.489, 0.03)
+    data = dict(entropy=0.533)
+    a = Alarm()
+    a(0, base, data)
+    for it, to in ((10, 0.65), (20, 0.70), (30, 0.95)):
+        assert a(it, moved(base, 'entropy', to), data) == (dict(alarm=[], watch_flagged=[]), None), it
+    b = Alarm()
+    b(0, base, data)
+    assert b(10, moved(base, 'entropy', 0.42), data)[0]['watch_flagged'] == ['entropy']
+    fields, line = b(20, moved(base, 'entropy', 0.42), data)
+    assert fields['alarm'] == ['entropy'] and 'entropy 0.4890 -> 0.4200 (data 0.5330; SE ' in line
+    # a two-sided watcher (saturation: WRONG 0) past the data is judged by its distance either side, as before
+    sat = watcher_items(32, 'saturation', 0.06, 0.01)
+    c = Alarm()
+    c(0, sat, dict(saturation=0.084))
+    c(10, moved(sat, 'saturation', 0.13), dict(saturation=0.084))
+    assert c(20, moved(sat, 'saturation', 0.13), dict(saturation=0.084))[0]['alarm'] == ['saturation']
+
 def test_held_out_reference_is_the_clean_renders_scored():
     # the toy's data: its clean renders score 1 on every reward term and sit on the manifold; a family
     # without render() (a real model) has no data
@@ -284,7 +308,8 @@ def test_mid_grey_with_a_little_noise_is_one_colour(monkeypatch):
 @pytest.fixture(scope='module')
 def recorded():
     """tests/data/alarm_replay.json (bench/alarm.py --extract): the toy's 'none' and dual runs at lambda_KL
-    held at 0.1 and 1, 5 seeds, AdamW at 1e-4, 60 iterations, their evaluations' means as logged."""
+    held at 0.1 and 1, 5 seeds, AdamW at 1e-4, 60 iterations, their evaluations' means as logged (entropy left
+    out: 4 levels); and four later cells with the entropy at 5 levels (bench/alarm.py CELLS)."""
     from bench.alarm import load
     return load(os.path.join(os.path.dirname(__file__), 'data', 'alarm_replay.json'))
 
@@ -329,6 +354,35 @@ def test_replayed_the_alarm_stays_silent_in_runs_that_improve(recorded):
             assert any(recorded['recorded'][run][seed]), (run, seed)
             assert first_trip(replayed(recorded, run, seed)) is None, (run, seed)
 
+
+
+def test_replayed_with_the_entropy_at_5_levels(recorded):
+    # the later cells recorded the colour entropy at 5 levels: it ends at 0.63-0.68 in the runs that improve
+    # (past the data's 0.533 from the base model's 0.489: its rising side), and there the rule they ran with
+    # tripped in 8 of 10 on entropy alone; judged on its falling side only, all 10 are silent
+    data = recorded['data']['entropy']
+    for run in ('dual @ ratio 1', 'dual + sample @ 0.1'):
+        for seed, rows in recorded['runs'][run].items():
+            base = means(recorded['base'][seed])
+            assert rows[-1]['VQ'] > base['VQ'] and rows[-1]['manifold'] < base['manifold'], (run, seed)
+            assert base['entropy'] < data < rows[-1]['entropy'], (run, seed)
+            assert first_trip(replayed(recorded, run, seed)) is None, (run, seed)
+        ran = [a for a in recorded['recorded'][run].values() if any(a)]
+        assert len(ran) == 4 and all({k for x in a for k in x} == {'entropy'} for a in ran), run
+    # runs that do damage (saturation past the data, VQ below the base model's in most seeds) still trip, on
+    # saturation or brightness (with others); the two silent seeds, by the rule's own terms: 'stepwise + sample @ 1' seed 1's
+    # composite never rose beyond its noise (0.08 against 2 SE = 0.11: a run that does not gain is not gaming
+    # the reward), 'none, muon 3e-4' seed 4 ends with VQ at the base model's (-0.003), saturation flagged once
+    for run, silent in (('stepwise + sample @ 1', 1), ('none, muon 3e-4', 4)):
+        for seed, rows in recorded['runs'][run].items():
+            trip = first_trip(replayed(recorded, run, seed))
+            assert (trip is None) == (seed == silent), (run, seed, trip)
+            assert trip is None or set(trip[1]) & {'saturation', 'brightness'}, (run, seed, trip)
+    alarm = Alarm()
+    alarm(0, recorded['base'][1])
+    gain = max(r['composite'] for r in recorded['runs']['stepwise + sample @ 1'][1]) - means(recorded['base'][1])['composite']
+    assert 0 < gain < 2 * alarm.noise('composite')
+    assert abs(recorded['runs']['none, muon 3e-4'][4][-1]['VQ'] - means(recorded['base'][4])['VQ']) < 0.005
 
 def test_after_a_resume_the_alarm_pins_the_evaluation_before_it():
     # evaluations at 0, 10 (VQ flagged), a checkpoint, a resume, then 20 (VQ flagged again): the alarm
