@@ -336,6 +336,14 @@ def identity(runs, res):
         if b not in runs:
             continue
         both = [(x, y) for x, y in zip(runs[(a, lam)], runs[b]) if x and y]
+        # a pair whose first rollout (iteration 0, before any step) differs was trained by different code
+        drift = [s for s, (x, y) in enumerate(zip(runs[(a, lam)], runs[b]))
+                 if x and y and x['iters'][0]['reward'] != y['iters'][0]['reward']]
+        both = [(x, y) for x, y in both if x['iters'][0]['reward'] == y['iters'][0]['reward']]
+        if drift:
+            lines.append(f'- {label((a, lam))} vs {label(b)}: seeds {", ".join(map(str, drift))} left out: their '
+                         'first rollouts differ already (iteration 0: nothing of the strategy acts before the first step), so '
+                         'the two were trained by different versions of the code or machine.')
         if not both:
             continue
         keys = ('reward', 'VQ', 'MQ', 'TA', 'loss', 'kl_pos', 'kl_vel', 'grad_norm')
