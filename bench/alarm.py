@@ -1,8 +1,8 @@
 """
 The reward-hacking alarm (models/evaluate.py Alarm, docs/method.md section 9) replayed on recorded toy runs:
 bench.trust_region's cells 'none' and 'dual' with lambda_KL held at 0.1 and at 1 (8 prompts x G=4, 60
-iterations, AdamW at 1e-4, an evaluation every 5, seeds 0..4), and four later cells of the same bench (CELLS). Each run's evaluations are its logged means;
-the alarm compares them with the base model's held-out items (iteration 0, the same for a seed's runs) and
+iterations, AdamW at 1e-4, an evaluation every 5, seeds 0..4), and four later cells of the same bench
+(CELLS). Each run's evaluations are its logged means; the alarm compares them with the base model's held-out items (iteration 0, the same for a seed's runs) and
 with the data's watchers (the clean renders of the held-out items, models/evaluate.py HeldOut.reference).
 
     python -m bench.alarm                   # each run's verdict, from tests/data/alarm_replay.json
@@ -45,7 +45,8 @@ CELLS = {'none': f'v_equalizer-True_kl_strategy-none_{REF}', 'dual @ 0.1': f'v_e
          'dual @ ratio 1': 'v_equalizer-True_kl_init-0.1_kl_max-0.1_kl_min-0.1_kl_ratio_target-1.0_'
                            f'kl_strategy-dual_kl_warmup-0_{REF}',
          'dual + sample @ 0.1': f'v_equalizer-True_kl_estimator-sample_{HELD.format(0.1)}_{REF}',
-         'stepwise + sample @ 1': f'v_equalizer-True_kl_estimator-sample_{HELD.format(1.0).replace("dual", "stepwise")}_{REF}',
+         'stepwise + sample @ 1': 'v_equalizer-True_kl_estimator-sample_'
+                                  f'{HELD.format(1.0).replace("dual", "stepwise")}_{REF}',
          'none, muon 3e-4': f'v_equalizer-True_kl_strategy-none_learning_rate-0.0003_optimizer-muon_{REF}'}
 FOUR_LEVELS = ('none', 'dual @ 0.1', 'dual @ 1')  # recorded before the entropy's 5 levels: LEFT_OUT of these
 LEFT_OUT = ('entropy',)  # recorded at another LEVELS (the docstring)
