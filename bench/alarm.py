@@ -3,7 +3,8 @@ The reward-hacking alarm (models/evaluate.py Alarm, docs/method.md section 9) re
 bench.trust_region's cells 'none' and 'dual' with lambda_KL held at 0.1 and at 1 (8 prompts x G=4, 60
 iterations, AdamW at 1e-4, an evaluation every 5, seeds 0..4), and four later cells of the same bench
 (CELLS). Each run's evaluations are its logged means; the alarm compares them with the base model's
-held-out items (iteration 0, the same for a seed's runs) and with the data's watchers (the clean renders of the held-out items, models/evaluate.py HeldOut.reference).
+held-out items (iteration 0, the same for a seed's runs) and with the data's watchers (the clean renders of
+the held-out items, models/evaluate.py HeldOut.reference).
 
     python -m bench.alarm                   # each run's verdict, from tests/data/alarm_replay.json
     python -m bench.alarm --extract=True    # rewrite that file from results/cells (~3 min: 5 short runs)
