@@ -116,13 +116,16 @@ def report(cs):
     if not nones or sum(r is not None for r in wide[dual]) < 2:
         res['sentence'] = 'not enough runs yet'
         return res, md + ['**At twice the width**: not enough runs yet.', '']
-    best = max(nones, key=lambda k: res['cells'][f'wide (192): {k}']['composite'])
+    n = lambda k: res['cells'][f'wide (192): {k}']['n']  # noqa: E731
+    enough = min(3, max(n(k) for k in nones))  # the best: the highest composite of 3 seeds or more (as bench.trust_region)
+    best = max([k for k in nones if n(k) >= enough], key=lambda k: res['cells'][f'wide (192): {k}']['composite'])
     v = res['verdicts'][f'{dual} vs {best}']
     wins = v['composite']['verdict'] == 'holds'
     held = all(v[m]['verdict'] != 'fails' for m in ('VQ', 'manifold'))
     res['sentence'] = (f'at twice the width, dual held at the batch ratio {T.RATIO_TARGET:g} '
                        + ('beats' if wins and held else 'does not beat') + f' the best \'none\' (AdamW at {best.split()[-1]}; '
-                       f'\'none\' ran at {", ".join(T.lr_name(x) for x in LRS)}): Δ composite {V.fmt(v["composite"])} over '
+                       f'\'none\' at ' + ', '.join(f'{k.split()[-1]} ({res["cells"][f"wide (192): {k}"]["n"]} seeds)' for k in nones)
+                       + f'): Δ composite {V.fmt(v["composite"])} over '
                        f'{v["composite"]["n"]} paired seeds, VQ {V.fmt(v["VQ"])}, manifold distance lower by '
                        f'{V.fmt(v["manifold"], 4)}')
     res['dual_wins'] = bool(wins and held)

@@ -100,7 +100,7 @@ def test_verdict_against_the_best_none_by_a_paired_t_interval(bench, vq_drop):
     h = 2.7764 * (0.001 / 4) ** 0.5 / 5 ** 0.5
     ci = res['verdicts']['dual @ ratio 1, adamw 1e-4 vs none, adamw 5e-5']['composite']
     assert ci['mean'] == pytest.approx(0.06) and ci['hi'] - ci['mean'] == pytest.approx(h, rel=1e-3)
-    assert "the best 'none' (AdamW at 5e-5; 'none' ran at 5e-5, 2.5e-5)" in res['sentence']
+    assert "the best 'none' (AdamW at 5e-5; 'none' at 5e-5 (5 seeds), 2.5e-5 (5 seeds))" in res['sentence']
     assert res['dual_wins'] is (vq_drop == 0.0)  # a VQ that falls beyond noise takes the win away
     assert ('beats the best' in res['sentence']) is (vq_drop == 0.0)
     assert res['cells']['wide (192): dual @ ratio 1, adamw 1e-4']['kl_ratio'] == pytest.approx(1.0)
