@@ -145,7 +145,8 @@ def label(key):
 
 def todo(cs):
     """[(key, seed)]: dual at the first strength with 'none', seed-major; then the next strength's dual; then the
-    velocity term's cells; then moving (the check that it is dual): a budget cut leaves the most informative comparison complete first."""
+    velocity term's cells; then moving (the check that it is dual): a budget cut leaves the most informative
+    comparison complete first."""
     order = [(k, s) for s in range(seeds) for k in (('none', PAPER), ('dual', LAMS[0]))]
     order += [(('dual', lam), s) for lam in LAMS[1:] for s in range(seeds)]
     order += [((st, lam), s) for lam in LAMS for s in range(seeds) for st in ('dual + sample', 'stepwise + sample')]
@@ -342,8 +343,8 @@ def identity(runs, res):
         both = [(x, y) for x, y in both if x['iters'][0]['reward'] == y['iters'][0]['reward']]
         if drift:
             lines.append(f'- {label((a, lam))} vs {label(b)}: seeds {", ".join(map(str, drift))} left out: their '
-                         'first rollouts differ already (iteration 0: nothing of the strategy acts before the first step), so '
-                         'the two were trained by different versions of the code or machine.')
+                         'first rollouts differ already (iteration 0: nothing of the strategy acts before the first '
+                         'step), so the two were trained by different versions of the code or machine.')
         if not both:
             continue
         keys = ('reward', 'VQ', 'MQ', 'TA', 'loss', 'kl_pos', 'kl_vel', 'grad_norm')

@@ -19,6 +19,7 @@ import sys
 from bench import common as C
 from bench.common import table
 from infra.configurator import configure
+from models import toy
 
 _argv, sys.argv = sys.argv, sys.argv[:1]  # the benches below read the command line when imported
 from bench import paper as P  # noqa: E402  its cells' names and statistics
@@ -37,7 +38,6 @@ threads = 1              # torch threads of every train.py
 budget_min = 0.0         # start no new training run after this many minutes (0: no limit)
 config = configure(globals(), sys.argv[1:])
 # -----------------------------------------------------------------------------
-WIDE_DIR = 'assets/toy_wide'  # models/toy.py WIDE_DIR
 PREFIX = 'wide_'              # a wide cell's name: this + the toy-width twin's
 C.setup(out, threads, budget_min)
 T.seeds, T.out = seeds, out
@@ -63,7 +63,7 @@ def train_all(cs):
             print(f'over the time budget of {budget_min} min: no new runs', flush=True)
             break
         if C.cached(nm) is None and (workers == 1 or T.claim(nm)):
-            C.train(nm, dict(common, **ov, model=WIDE_DIR, seed=s))
+            C.train(nm, dict(common, **ov, model=toy.WIDE_DIR, seed=s))
 
 
 def summary(runs, k):
@@ -138,8 +138,8 @@ def report(cs):
 if __name__ == '__main__':
     cs = cells()
     if run:
-        if not os.path.isdir(os.path.join(WIDE_DIR, 'transformer')):
-            raise SystemExit(f'{WIDE_DIR} is not built: python -m models.toy wide (~40 min on one core)')
+        if not os.path.isdir(os.path.join(toy.WIDE_DIR, 'transformer')):
+            raise SystemExit(f'{toy.WIDE_DIR} is not built: {toy.BUILT_DIRS[toy.WIDE_DIR]} (~40 min on one core)')
         train_all(cs)
     res, md = report(cs)
     C.write_report(os.path.join(out, 'trust_region_wide'), res, md)

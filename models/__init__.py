@@ -78,6 +78,20 @@ def load_family(name):
     return fam
 
 
+def builders():
+    """{absolute model directory: the command that builds it} of the toys the repository trains: a streaming
+    toy's DIR (python -m its module) and a family's BUILT_DIRS (models/toy.py's second width); a relative
+    directory is from the repository's root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for n in FAMILIES.values():
+        fam = load_family(n)
+        if '.' in n and getattr(fam, 'DIR', None):
+            out[os.path.join(root, fam.DIR)] = f'python -m {n}'
+        out.update({os.path.join(root, d): cmd for d, cmd in getattr(fam, 'BUILT_DIRS', {}).items()})
+    return out
+
+
 def family(path):
     """The family module of model directory `path` (see the module docstring)."""
     index = os.path.join(path, 'model_index.json')
@@ -85,15 +99,9 @@ def family(path):
         with open(index) as f:
             name = json.load(f)['_class_name']
     except (OSError, ValueError, KeyError) as e:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a toy's DIR: from the repo's root
-        built = [f'python -m {n}' for n in FAMILIES.values() if '.' in n and not os.path.exists(path) and
-                 getattr(importlib.import_module(n), 'DIR', None) and  # a toy the repo builds
-                 os.path.join(root, importlib.import_module(n).DIR) == os.path.abspath(path)]
-        built += [cmd for n in FAMILIES.values() if not os.path.exists(path)  # or a second one (models/toy.py)
-                  for d, cmd in getattr(load_family(n), 'BUILT_DIRS', {}).items()
-                  if os.path.join(root, d) == os.path.abspath(path)]
+        built = None if os.path.exists(path) else builders().get(os.path.abspath(path))
         if built:
-            raise SystemExit(f'{path!r} is not built (a toy model the repository trains): {built[0]}')
+            raise SystemExit(f'{path!r} is not built (a toy model the repository trains): {built}')
         raise SystemExit(f'{path!r} is not a diffusers model directory ({index}: {type(e).__name__}).\n'
                          f'Download the weights first, e.g.\n'
                          f'  hf download {load_family(DEFAULT).HUB_ID} --local-dir weights/HunyuanVideo-1.5-480p_t2v\n'

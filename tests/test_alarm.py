@@ -228,7 +228,6 @@ def test_a_one_sided_watcher_falling_toward_the_data_is_not_flagged():
     assert c(20, moved(vq, 'VQ', 0.25), dict(VQ=1.0))[0]['alarm'] == ['VQ']
 
 
-
 def test_a_one_sided_watcher_is_judged_on_its_wrong_side_of_the_data_only():
     # the toy at 5 levels: entropy 0.489 in the base model, 0.533 in the data; a run that brings the shapes to
     # the data's saturation ends at ~0.65, past the data on its rising side: more colours than the renders, not
@@ -251,6 +250,7 @@ def test_a_one_sided_watcher_is_judged_on_its_wrong_side_of_the_data_only():
     c(0, sat, dict(saturation=0.084))
     c(10, moved(sat, 'saturation', 0.13), dict(saturation=0.084))
     assert c(20, moved(sat, 'saturation', 0.13), dict(saturation=0.084))[0]['alarm'] == ['saturation']
+
 
 def test_held_out_reference_is_the_clean_renders_scored():
     # the toy's data: its clean renders score 1 on every reward term and sit on the manifold; a family
@@ -355,7 +355,6 @@ def test_replayed_the_alarm_stays_silent_in_runs_that_improve(recorded):
             assert first_trip(replayed(recorded, run, seed)) is None, (run, seed)
 
 
-
 def test_replayed_with_the_entropy_at_5_levels(recorded):
     # the later cells recorded the colour entropy at 5 levels: it ends at 0.63-0.68 in the runs that improve
     # (past the data's 0.533 from the base model's 0.489: its rising side), and there the rule they ran with
@@ -370,8 +369,8 @@ def test_replayed_with_the_entropy_at_5_levels(recorded):
         ran = [a for a in recorded['recorded'][run].values() if any(a)]
         assert len(ran) == 4 and all({k for x in a for k in x} == {'entropy'} for a in ran), run
     # runs that do damage (saturation past the data, VQ below the base model's in most seeds) still trip, on
-    # saturation or brightness (with others); the two silent seeds, by the rule's own terms: 'stepwise + sample @ 1' seed 1's
-    # composite never rose beyond its noise (0.08 against 2 SE = 0.11: a run that does not gain is not gaming
+    # saturation or brightness (with others); the two silent seeds, by the rule's own terms: 'stepwise +
+    # sample @ 1' seed 1's composite never rose beyond its noise (0.08 against 2 SE = 0.11: a run that does not gain is not gaming
     # the reward), 'none, muon 3e-4' seed 4 ends with VQ at the base model's (-0.003), saturation flagged once
     for run, silent in (('stepwise + sample @ 1', 1), ('none, muon 3e-4', 4)):
         for seed, rows in recorded['runs'][run].items():
@@ -383,6 +382,7 @@ def test_replayed_with_the_entropy_at_5_levels(recorded):
     gain = max(r['composite'] for r in recorded['runs']['stepwise + sample @ 1'][1]) - means(recorded['base'][1])['composite']
     assert 0 < gain < 2 * alarm.noise('composite')
     assert abs(recorded['runs']['none, muon 3e-4'][4][-1]['VQ'] - means(recorded['base'][4])['VQ']) < 0.005
+
 
 def test_after_a_resume_the_alarm_pins_the_evaluation_before_it():
     # evaluations at 0, 10 (VQ flagged), a checkpoint, a resume, then 20 (VQ flagged again): the alarm
