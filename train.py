@@ -4,10 +4,13 @@ and a dual trust region (trust_region.py). What the defaults make of the objecti
 step per rollout batch, so theta == theta_old in the update, the ratio is 1, the PPO clip never acts
 and the exact velocity KL (the policy's transition means vs the rollout policy's) is 0: REINFORCE
 with each step's term weighted by the equalizer's S_t, plus lambda_KL times the position KL (vs a
-moving anchor's means); lambda_KL follows the paper's printed rule, which *relaxes* the penalty when
-the KL is high (docs/method.md 4.6, 5.5). One iteration is the loop at the bottom, each phase a
-function above it. The released code's switches and the add-ons are off and act at named seams
-(extras/variants.py); the machinery (ranks, checkpoints, evaluation, logs) is in the folders.
+moving anchor's means). lambda_KL holds the ratio of the KL term's summed gradient to the policy
+term's at 1 (ours: at the paper's lambda_KL the region does not act; held where it acts it beats a
+smaller step: docs/method.md 5.6), so each backward runs the two terms apart (GradientSplit);
+kl_ratio_target=0 gives the paper's rule, which *relaxes* the penalty when the KL is high (4.6, 5.5).
+One iteration is the loop at the bottom, each phase a function above it. The released code's switches
+and the add-ons are off and act at named seams (extras/variants.py); the machinery (ranks,
+checkpoints, evaluation, logs) is in the folders.
 
     python train.py config/toy.py             # the toy world on a CPU (torchrun: its FSDP path)
     torchrun --nproc_per_node=8 train.py      # HunyuanVideo 1.5 480p + VideoAlign
@@ -59,6 +62,8 @@ kl_max = 1e-5                   # upper clip of lambda_KL, and the end of its wa
 kl_warmup = 100                 # optimizer steps of linear warm-up kl_init -> kl_max (0: none)
 kl_target = 1e-5                # the controller's KL target
 kl_direction = 1                # +1: printed (KL high: lambda falls); -1: reversed (5.5)
+kl_ratio_target = 1.0           # > 0 (ours): lambda_KL holds ||g_KL|| / ||g_policy|| here, from kl_init (5.6);
+                                # 0: the paper's controller (kl_init..kl_direction), inert at its values
 optimizer = 'muon'              # 'muon' (2-D matrices, AdamW the rest: released) | 'adamw'
 learning_rate = 1e-5            # constant
 weight_decay = 0.01             # decoupled weight decay of both optimizers
@@ -90,7 +95,8 @@ sp_size = 1                     # ranks of a node sharing one video's tokens (in
 seed = 0
 config = configure(globals(), rules=rules(sde, eq, tr, tvrl, metrics, attention_lib, videoalign),
                    sections=(variants, evaluation, policy_lib, parallel, rundir, diagnostics))
-variants.check()
+ratio_held = kl_ratio_target > 0 and kl_strategy != 'none'  # lambda_KL: RatioHold, else the paper's
+variants.check(ratio_held)
 # -----------------------------------------------------------------------------
 
 # distributed setup: torchrun's environment, or one plain process (infra/parallel.py)
@@ -121,8 +127,8 @@ policy = load_policy(model, device, fsdp=ddp, lora_rank=lora_rank, **policy_lib.
                      sp_mesh=sp_mesh, solo_timeout=parallel.solo_timeout)  # sharded, kernels set
 optimizers = build_optimizers(policy, optimizer, learning_rate, weight_decay)  # [Muon, AdamW]
 anchor = Anchor(policy, strategy=kl_strategy, every=anchor_every)  # infra/anchor.py: sharded
-controller = variants.lambda_controller(  # lambda_KL (kl_ratio_target: a hold of the ratio instead)
-    tr.KLController(kl_init, kl_min, kl_max, kl_target, kl_warmup, direction=kl_direction))
+controller = tr.RatioHold(kl_init, kl_ratio_target) if ratio_held else \
+    tr.KLController(kl_init, kl_min, kl_max, kl_target, kl_warmup, direction=kl_direction)  # lambda_KL
 kl_pos_weight, kl_vel_weight = tr.kl_weights(kl_strategy, beta_pos, beta_vel)  # 0: a term off
 score_fn = variants.scorer(reward_fn, reward_weights, shape)  # reward_fn (tvrl: and its credit)
 sigmas = sde.sigmas(num_steps, shift).to(device)  # (N + 1,) from 1.0 to 0.0
@@ -243,7 +249,7 @@ def update(videos, batch, steps, s_t):
         run.iter_num, terms_at, steps, s_t, controller.value, (kl_pos_weight, kl_vel_weight),
         optimizers, world * (dp_rank == 0), preemption.point, run.passes, device)  # x world: FSDP
     stats = diagnostics.UpdateStats(max(1, sum(videos['finite'])) * n_train, clip_range, on_policy)
-    split = diagnostics.GradientSplit(optimizers, run.iter_num, always=variants.kl_ratio_target > 0)
+    split = diagnostics.GradientSplit(optimizers, run.iter_num, always=ratio_held)  # the ratio
     def micro_batches(ids):  # (train_batch videos, one of their steps); every rank runs every pass
         batches = finite.micro_batches(ids, videos['finite'], train_batch, n_train)
         return preemption.points(tqdm(batches, 'update', disable=not master, leave=False))
@@ -264,12 +270,12 @@ def update(videos, batch, steps, s_t):
         # without sync would hold the whole unsharded gradient: 16 GB at 8.3B in bf16)
         for b, j in micro_batches(chunk):  # a stop drops these gradients: no step taken yet
             loss, terms = step_loss(videos, b, order[b, j], s_t, controller.value, denom)
-            split.backward(loss, terms, denom)  # loss.backward(); on a cadence, the terms apart
+            split.backward(loss, terms, denom)  # loss.backward(); the ratio held: the terms apart
             kl = terms['kl'][terms['valid'] > 0].mean().item() if terms['valid'].any() else None
             kls += [kl] if kl is not None else []  # a stand-in's videos are not valid: none
             stats.add(loss, terms, videos['logps'][b, order[b, j]])
             variants.lambda_after_backward(controller, kl)  # kl_update='backward' (released): off
-        r1 = split.measure(controller.value)  # |KL term's gradient| / |policy's| at lambda 1; off
+        r1 = split.measure(controller.value)  # ||KL term's gradient|| / ||policy's|| at lambda 1
         norm = clip_grad_norm(optimizers, grad_clip)  # in place; the norm of all ranks' shards
         stats.stepped(norm, updates_per_iter, split.logged)
         skipped = nonfinite(norm, run.iter_num + 1)  # NaN or inf: no step, so no NaN weight

@@ -1,18 +1,24 @@
 """
 The trust region of SAGE-GRPO (docs/method.md section 5): the KL of two transition Gaussians, the
-strategies that weigh its two terms, and the lambda_KL controller. The anchor is a frozen copy of
+strategies that weigh its two terms, and lambda_KL: held at a ratio of the gradients (our default) or
+the paper's controller. The anchor is a frozen copy of
 the policy's trainable weights, refreshed every anchor_every optimizer steps ('moving', 'dual';
 never for 'fixed'); how it is stored sharded and swapped in for a forward is infra/anchor.py.
 
     KL(mean_a, mean_b) = mean over elements of (mean_a - mean_b)^2 / (2 std_t^2)
     loss_kl = lambda_KL * (beta_pos * KL(mean_theta, mean_anchor)
                            + beta_vel * KL(mean_theta, mean_old))
+    lambda_KL = kl_ratio_target / mean over the last 10 steps of ||g_KL|| / ||g_policy|| at lambda 1
 
 Strategies: 'none' (no KL), 'fixed' (anchor = initial model), 'stepwise' (velocity term only),
 'moving' (anchor refreshed every N optimizer steps, position term), 'dual' (both: the paper's).
 'none' and 'stepwise' need no anchor: infra/anchor.py's Anchor holds nothing for them.
 
-Where this differs from the paper and the released code (docs/method.md section 6):
+Where this differs from the paper and the released code (docs/method.md sections 5.6, 6):
+lambda_KL holds the ratio of the KL term's summed gradient to the policy term's (RatioHold): at the
+paper's lambda_KL (1e-7 warming to 1e-5) the region does not act, and held where it acts it beats
+'none' at its best learning rate, with AdamW and Muon and at two toy widths (results/trust_region.md);
+kl_ratio_target=0 restores the paper's KLController (config/released.py). Of that controller:
 train.py calls KLController.update once per optimizer step with the KL averaged over all ranks,
 where the released code calls it after every backward with the rank's own KL (extras/variants.py
 kl_update='backward': its warm-up is over in ~2.5 optimizer steps and the ranks' lambdas drift
@@ -24,7 +30,9 @@ up to it. Its start, floor, ceiling, warm-up and target are train.py's kl_init, 
 kl_warmup and kl_target (section 5.5): arguments without defaults here, written once.
 
 Tested by: python -m pytest tests/test_trust_region.py   (the FSDP2 part runs torchrun on CPU)
+           python -m pytest tests/test_kl_ratio.py       (RatioHold; the ratio against brute force)
 """
+import math
 from collections import deque
 
 import torch
@@ -74,7 +82,7 @@ class KLController:
         k <= warmup:  lam_init + (lam_max - lam_init) * k / warmup    (step 0 trains with lam_init,
                                                                        step `warmup` with lam_max)
         k >  warmup:  the deadband rule on the mean of the last `window` KLs (warm-up KLs count).
-    (kl_update='backward': after every backward; kl_ratio_target: extras' RatioHold instead.)
+    (kl_update='backward': after every backward; kl_ratio_target > 0: RatioHold instead.)
     """
 
     def __init__(self, lam_init, lam_min, lam_max, target, warmup, window=WINDOW, high=HIGH,
@@ -105,6 +113,43 @@ class KLController:
         return {'value': self.value, 'updates': self.updates, 'history': list(self.history)}
 
     def load_state_dict(self, sd):
+        if 'history' not in sd:
+            raise SystemExit('the checkpoint\'s lambda_KL held the gradient ratio (kl_ratio_target > 0 when it '
+                             'was saved): resume it with that kl_ratio_target, or start a new out_dir')
         self.value, self.updates = float(sd['value']), int(sd['updates'])
         self.history.clear()
         self.history.extend(float(k) for k in sd['history'])
+
+
+class RatioHold:
+    """lambda_KL holding the KL/policy gradient ratio the optimizer sees (docs/method.md 5.6), instead of
+    KLController. update(kl, r1) after each optimizer step, r1 its ratio at lambda 1: the norms of
+    the step's summed KL-term and policy-term gradients (extras/diagnostics.py GradientSplit, on every
+    step while the ratio is held). The KL term's gradient is linear in lambda, so
+        value = target / mean(the last `window` r1)   (lam_init until an r1 is positive),
+    not clipped. The window spans one anchor period at the defaults (10 = anchor_every): r1 is 0 right
+    after a refresh and grows until the next, and its mean over a period is what is held."""
+
+    def __init__(self, lam_init, target, window=WINDOW):
+        self.value, self.target, self.updates = lam_init, target, 0
+        self.ratios = deque(maxlen=window)
+
+    def update(self, kl, r1=None):
+        self.updates += 1
+        if r1 is not None and math.isfinite(r1):
+            self.ratios.append(float(r1))
+        mean_r1 = sum(self.ratios) / len(self.ratios) if self.ratios else 0.0
+        if mean_r1 > 0:
+            self.value = self.target / mean_r1
+        return self.value
+
+    def state_dict(self):
+        return {'value': self.value, 'updates': self.updates, 'ratios': list(self.ratios)}
+
+    def load_state_dict(self, sd):
+        if 'history' in sd:  # KLController's
+            raise SystemExit('the checkpoint\'s lambda_KL is the paper\'s controller (kl_ratio_target=0 when it '
+                             'was saved): resume it with --kl_ratio_target=0, or start a new out_dir')
+        self.value, self.updates = float(sd['value']), int(sd['updates'])
+        self.ratios.clear()
+        self.ratios.extend(float(r) for r in sd.get('ratios', ()))  # none in early checkpoints

@@ -7,3 +7,4 @@ kl_init = 0.04                  # lambda_KL constant: start = floor = ceiling, n
 kl_min = 0.04
 kl_max = 0.04
 kl_warmup = 0
+kl_ratio_target = 0.0           # the constant above, not held by the gradient ratio

@@ -33,6 +33,7 @@ beta_pos = 1.0                  # sh --dual_kl_moving_weight 1.0
 beta_vel = 0.1                  # sh --dual_kl_step_weight 0.1
 kl_max = 1e-5                   # sh --kl_weight 1e-5 (lambda_KL's upper clip)
 kl_init = 1e-7                  # pt kl_coef 1e-7: lambda_KL's start
+kl_ratio_target = 0.0           # gu KLController: the paper's lambda_KL rule, not our ratio hold (5.6)
 kl_estimator = 'sample'         # gu: the step-wise term 0.1 * mean(logp_old - logp_theta), a one-sample estimate
 reward_weights = (0.5, 0.5, 1.0)  # pt reward_weights {"VQ":0.5,"MQ":0.5,"TA":1.0}
 eval_every = 50                 # pt validation_interval

@@ -1,7 +1,8 @@
-# The toy world (models/toy.py): SAGE-GRPO end to end on a 2-core CPU in about 15 minutes.
+# The toy world (models/toy.py): SAGE-GRPO end to end on a 2-core CPU in about 11 minutes.
 #   python train.py config/toy.py
 #   torchrun --nproc_per_node=2 train.py config/toy.py     # the FSDP2 path, gloo on CPU
-# Everything not set here keeps train.py's default (the paper's, but for the switches of docs/method.md 6.2).
+# Everything not set here keeps train.py's default: the paper's, but for lambda_KL held by the gradient ratio
+# (docs/method.md 5.6) and the switches of 6.2.
 model = 'assets/toy'            # the committed, pretrained tiny HunyuanVideo15Transformer3DModel
 reward_model = 'world'          # the toy world's own exact reward (models/toy.py): VQ, MQ, TA in [0, 1]
 eval_metrics = ''               # no CLIPScore/PickScore: the toy's metrics are exact; 24x24 frames mean little to CLIP

@@ -5,7 +5,8 @@ What train.py measures of its update, for the log:
   summed over its micro-batches and then averaged over the ranks; and the drift |d logp| between the
   rollout's log-probs and the update's recomputation at theta_old (the rounding of two batch shapes:
   docs/method.md 4.6), its mean, its largest and the fraction beyond clip_range;
-- GradientSplit (ratio_every; off by default): the KL/policy ratio of the step's summed gradients;
+- GradientSplit: the KL/policy ratio of the step's summed gradients, on every step while lambda_KL holds it
+  (train.py's default, trust_region.py RatioHold), else every ratio_every iterations (off by default);
 - gradient_norms (diag_every; off by default): the gradient norm of one clip's policy term at the
   first and the last trained step, without and with the equalizer's S_t (the paper's Fig. 3: S_t
   evens them out, docs/method.md section 3), and the ratio of its KL term's gradient norm to its
@@ -32,7 +33,7 @@ from models.policy import count_passes
 
 # ----------------------------------------------------------------------------- settings (train.py's, set as its own)
 diag_every = 0                  # iterations between one clip's 4-pass gradient norms (0: never)
-ratio_every = 0                 # iterations between the batch's KL/policy gradient ratio (0: never)
+ratio_every = 0                 # iterations between the batch's KL/policy ratio under kl_ratio_target=0 (0: never)
 # -----------------------------------------------------------------------------
 
 
@@ -124,7 +125,7 @@ class GradientSplit:
     the two terms apart (two backward passes of one forward) into separate sums, added back before the
     step (the same gradient, to float rounding); off, backward() is loss.backward().
 
-        split = GradientSplit(optimizers, it)  # on at ratio_every
+        split = GradientSplit(optimizers, it, always=held)  # on at ratio_every, or always
         split.backward(loss, terms, denom)  # every micro-batch
         r1 = split.measure(lam)             # before the clip: the ratio at lambda 1 (None: off);
                                             # split.logged: lam * r1, the ratio the step sees"""

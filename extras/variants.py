@@ -11,15 +11,11 @@ like train.py's own (a config file or --key=value; infra/configurator.py reads t
     advantages: advantages           advantage='per_component' | 'taros': each component in its group
     objective: tr.velocity_kl        kl_estimator='sample': the one-sample velocity KL (released)
     update: lambda_after_backward    kl_update='backward': lambda_KL after every backward (released)
-    setup: lambda_controller         kl_ratio_target > 0: lambda_KL holds the KL/policy gradient ratio
 
 docs/method.md 6.2 argues each released switch's default, 4.3 and 6.3 the add-ons.
 
 Tested by: python -m pytest tests/test_advantage.py tests/test_compute.py tests/test_credit_train.py
 """
-import math
-from collections import deque
-
 import torch
 
 import sde
@@ -33,13 +29,12 @@ kl_update = 'step'              # lambda_KL moves each optimizer step | 'backwar
 kl_estimator = 'exact'          # velocity KL: exact | 'sample': logp_old - logp (released, 5.4)
 prompt_noise = 'fresh'          # initial noise: 'fresh' each iteration | 'fixed' (released)
 median = 'mean_of_middle'       # S_t's median of an even count: numpy's | 'lower' (released)
-# add-ons, off by default (docs/method.md 4.3, 5.6, 6.3)
+# add-ons, off by default (docs/method.md 4.3, 6.3)
 advantage = 'grpo'              # 'grpo' (the paper) | 'per_component' | 'taros'
 sde_window = 0                  # > 0: a random window of this many steps is stochastic, trained
 credit = 'none'                 # 'none': a video's tokens share its advantage | 'tvrl' (extras/credit.py)
 credit_granularity = 'window'   # tvrl: 'window' (a weight a latent token) | 'frame'
 credit_window = (1, 3, 3)       # tvrl: (t, h, w) latent tokens of the smoothing box (odd)
-kl_ratio_target = 0.0           # > 0: lambda_KL holds the logged kl_ratio here (5.6; kl_update='step')
 # -----------------------------------------------------------------------------
 ADVANTAGES = ('grpo', 'per_component', 'taros')
 CHOICES = dict(advantage=ADVANTAGES, kl_update=('step', 'backward'), prompt_noise=('fresh', 'fixed'),
@@ -49,10 +44,12 @@ TAROS_DEADZONE = 0.5   # a member's standardised component counts only beyond +-
 TAROS_SATURATED = 0.5  # a component whose group spread is under this x the batch's: saturated
 
 
-def check():
-    """A combination no seam can run: one line, before anything loads."""
-    if kl_ratio_target > 0 and kl_update != 'step':
-        raise SystemExit("config error: kl_ratio_target holds lambda_KL per optimizer step: kl_update='step'")
+def check(ratio_held):
+    """A combination no seam can run: one line, before anything loads. ratio_held: train.py's
+    lambda_KL holds the gradient ratio (kl_ratio_target > 0 with a KL term)."""
+    if ratio_held and kl_update != 'step':
+        raise SystemExit("config error: kl_ratio_target > 0 holds lambda_KL once per optimizer step, so "
+                         "kl_update='step'; kl_ratio_target=0 gives the paper's controller (config/released.py)")
 
 
 def window(stochastic, seed):
@@ -100,41 +97,6 @@ def credit_row(scores, device):
 def credit_of(videos, b):
     """The log-prob's per-token weights of videos b (tvrl), or None: the plain mean."""
     return videos['credit'][b] if 'credit' in videos else None
-
-
-class RatioHold:
-    """kl_ratio_target > 0 (docs/method.md 5.6): lambda_KL holds the KL/policy gradient ratio instead
-    of the paper's rule. update(kl, r1) after each optimizer step, r1 its ratio at lambda 1
-    (extras/diagnostics.py GradientSplit); the KL term's gradient is linear in lambda, so
-        value = kl_ratio_target / mean(the last `window` r1)   (lam_init until an r1 is positive),
-    not clipped. The window spans one anchor period at the defaults (10 = anchor_every): r1 is 0 right
-    after a refresh and grows until the next, and its mean over a period is what is held."""
-
-    def __init__(self, lam_init, target, window=10):
-        self.value, self.target, self.updates = lam_init, target, 0
-        self.ratios = deque(maxlen=window)
-
-    def update(self, kl, r1=None):
-        self.updates += 1
-        if r1 is not None and math.isfinite(r1):
-            self.ratios.append(float(r1))
-        mean_r1 = sum(self.ratios) / len(self.ratios) if self.ratios else 0.0
-        if mean_r1 > 0:
-            self.value = self.target / mean_r1
-        return self.value
-
-    def state_dict(self):
-        return {'value': self.value, 'updates': self.updates, 'ratios': list(self.ratios)}
-
-    def load_state_dict(self, sd):
-        self.value, self.updates = float(sd['value']), int(sd['updates'])
-        self.ratios.clear()
-        self.ratios.extend(float(r) for r in sd.get('ratios', ()))
-
-
-def lambda_controller(controller):
-    """The paper's KLController, or with kl_ratio_target > 0 a RatioHold from its lam_init."""
-    return RatioHold(controller.lam_init, kl_ratio_target) if kl_ratio_target > 0 else controller
 
 
 def lambda_after_backward(controller, kl):

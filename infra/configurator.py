@@ -85,6 +85,7 @@ RULES = dict(
     timestep_fraction=number(0, 1, lo_open=True), clip_range=number(0, lo_open=True), adv_clip=number(0, lo_open=True),
     anchor_every=number(1), beta_pos=number(0), beta_vel=number(0), kl_max=number(0, lo_open=True),
     kl_init=number(0, lo_open=True), kl_min=number(0, lo_open=True), kl_warmup=number(0, then=' (0: none)'),
+    kl_ratio_target=number(0, then=" (0: the paper's controller)"),
     alarm_z=number(0, lo_open=True, then=' (standard errors)'),
     kl_target=number(0, lo_open=True), learning_rate=number(0, then=' (0: a control run, nothing moves)'), weight_decay=number(0),
     grad_clip=number(0, lo_open=True), lora_rank=number(0), max_iters=number(0),
@@ -120,9 +121,10 @@ RULES = dict(
     experts=one_of('both', 'high', 'low'),  # a two-expert model's (models/wan.py Experts)
 )
 # settings checked together: a rule keyed by their names, test(*values) -> None or why not
-RULES[('kl_min', 'kl_init', 'kl_max')] = (lambda lo, start, hi: None if lo <= start <= hi else
-                                         f'lambda_KL needs kl_min <= kl_init <= kl_max, got '
-                                         f'{lo:g}, {start:g}, {hi:g}', '')
+RULES[('kl_ratio_target', 'kl_min', 'kl_init', 'kl_max')] = (  # the paper's controller's (a held ratio: kl_init only)
+    lambda held, lo, start, hi: None if held > 0 or lo <= start <= hi else
+    f'lambda_KL needs kl_min <= kl_init <= kl_max (the paper\'s controller: kl_ratio_target=0), got '
+    f'{lo:g}, {start:g}, {hi:g}', '')
 
 
 def rules(*modules):

@@ -51,6 +51,7 @@ TRAIN = [
     ('beta_vel', [-0.1], 0.0, 'at least 0'),
     ('kl_max', [0.0], 1e-7, 'greater than 0'),  # 1e-7: kl_init's default (kl_min <= kl_init <= kl_max)
     ('kl_init', [0.0], 1e-5, 'greater than 0'), ('kl_warmup', [-1], 0, 'at least 0'), ('alarm_z', [0.0], 0.5, 'greater than 0'),
+    ('kl_ratio_target', [-1.0], 0.0, 'at least 0'),
     ('advantage', ['ppo'], 'taros', "'grpo', 'per_component', 'taros'"), ('kl_estimator', ['mc'], 'sample', "'exact', 'sample'"),
     ('kl_target', [-1e-5], 1e-9, 'greater than 0'),
     ('weight_decay', [-0.01], 0.0, 'at least 0'),
@@ -74,7 +75,7 @@ TRAIN = [
     ('credit', ['tvr'], 'tvrl', "'none', 'tvrl'"),
     ('credit_granularity', ['pixel'], 'frame', "'window', 'frame'"),
     ('credit_window', [(1, 2, 3), (1, 3), (0, 1, 1)], (1, 1, 1), '3 odd sizes'),
-    ('kl_update', ['iter'], 'backward', "'step', 'backward'"),
+    ('kl_update', ['iter'], 'step', "'step', 'backward'"),
     ('prompt_noise', ['same'], 'fixed', "'fresh', 'fixed'"),
     ('init_from', ['latest'], 'resume', "'scratch', 'resume'"),
     ('attention', ['flash', 'masked'], 'diffusers', "'valid_tokens', 'masked_keys', 'diffusers'"),
@@ -238,8 +239,16 @@ def test_settings_checked_together_one_line(monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(preemption, 'Preemption', stop)
     base = ['config/toy.py', '--out_dir=/nonexistent/never-written']
-    assert run_script(monkeypatch, 'train.py', base + ['--kl_init=1e-5', '--kl_min=1e-5']) == 'passed'
-    said = run_script(monkeypatch, 'train.py', base + ['--kl_init=1e-3'])
-    assert said == 'config error: lambda_KL needs kl_min <= kl_init <= kl_max, got 1e-07, 0.001, 1e-05', said
+    paper = base + ['--kl_ratio_target=0']  # the paper's controller reads all three
+    assert run_script(monkeypatch, 'train.py', paper + ['--kl_init=1e-5', '--kl_min=1e-5']) == 'passed'
+    said = run_script(monkeypatch, 'train.py', paper + ['--kl_init=1e-3'])
+    assert said == ('config error: lambda_KL needs kl_min <= kl_init <= kl_max (the paper\'s controller: '
+                    'kl_ratio_target=0), got 1e-07, 0.001, 1e-05'), said
+    # the ratio held (the default) starts from kl_init alone: a start above kl_max is a start
+    assert run_script(monkeypatch, 'train.py', base + ['--kl_init=0.1']) == 'passed'
+    said = run_script(monkeypatch, 'train.py', base + ['--kl_update=backward'])
+    assert said.startswith("config error: kl_ratio_target > 0 holds lambda_KL once per optimizer step") and \
+        '\n' not in said, said
+    assert run_script(monkeypatch, 'train.py', base + ['--kl_update=backward', '--kl_ratio_target=0']) == 'passed'
     said = run_script(monkeypatch, 'train.py', base + ['--attention=masked_keys', '--attention_backend=_native_flash'])
     assert said.startswith("config error: attention_backend '_native_flash' takes no mask") and '\n' not in said

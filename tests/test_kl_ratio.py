@@ -11,7 +11,7 @@ import torch
 
 import trust_region as tr
 from extras.diagnostics import GradientSplit
-from extras.variants import RatioHold
+from trust_region import RatioHold
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,6 +135,41 @@ def test_ratio_target_resumes_bitwise():
     mk().load_state_dict(old)
 
 
+def test_a_checkpoint_of_the_other_rule_is_named():
+    # a run saved under one lambda_KL rule and resumed under the other: one line naming the setting
+    paper = tr.KLController(1e-7, 1e-7, 1e-5, 1e-5, 100)
+    paper.update(1e-6)
+    with pytest.raises(SystemExit, match='kl_ratio_target=0'):
+        RatioHold(1e-7, 1.0).load_state_dict(paper.state_dict())
+    hold = RatioHold(1e-7, 1.0)
+    hold.update(0.0, 2.0)
+    with pytest.raises(SystemExit, match='resume it with that kl_ratio_target'):
+        tr.KLController(1e-7, 1e-7, 1e-5, 1e-5, 100).load_state_dict(hold.state_dict())
+
+
+def test_train_defaults_hold_the_ratio_and_the_release_keeps_the_paper(tmp_path, monkeypatch):
+    # train.py's default lambda_KL is the hold (kl_ratio_target 1, measured every step: a kl_ratio in
+    # every row); by hand from the log: the step's lambda is the previous row's (kl_init first), its r1 =
+    # kl_ratio / lambda, and the next lambda is 1 / mean(r1 so far) once one is positive
+    from test_train import SMALL, metrics, run_here
+    out = str(tmp_path / 'run')
+    run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=4', '--diag_every=0', '--save_every=0'])
+    rows = [r for r in metrics(out) if 'reward' in r]
+    lam, r1s = 1e-7, []  # train.py's kl_init
+    for r in rows:
+        r1s.append(r['kl_ratio'] / lam)
+        mean = sum(r1s) / len(r1s)
+        lam = 1.0 / mean if mean > 0 else lam
+        assert r['lambda_kl'] == pytest.approx(lam, rel=1e-6), (rows, r1s)
+    assert r1s[0] == 0 and all(r > 0 for r in r1s[1:]) and rows[-1]['lambda_kl'] > 1e-3
+    # the release and the paper's baselines keep their constants (config/released.py, config/fixed_kl.py)
+    for name, want in (('released', dict(kl_ratio_target=0.0, kl_update='backward')),
+                       ('fixed_kl', dict(kl_ratio_target=0.0, kl_init=0.04))):
+        cfg = {}
+        exec(open(os.path.join(ROOT, 'config', name + '.py')).read(), {}, cfg)
+        assert {k: cfg[k] for k in want} == want, name
+
+
 @pytest.mark.slow
 def test_toy_run_holds_the_ratio_in_a_band(tmp_path):
     # the toy (config/toy.py: dual KL, anchor every 10 steps), lambda_KL held by the ratio target, the
@@ -159,11 +194,10 @@ def test_toy_run_holds_the_ratio_in_a_band(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_log_the_ratio_of_one_process(tmp_path):
-    # the norms are of the summed gradient after FSDP's reduction: 2 ranks and 1 process log one ratio
-    common = ['config/toy.py', '--max_iters=2', '--prompts_per_iter=2', '--group_size=2', '--eval_every=0',
-              '--save_every=0', '--export_dtype=', '--diag_every=0', '--ratio_every=1', '--kl_init=0.1',
-              '--kl_min=0.1', '--kl_max=0.1', '--kl_warmup=0', '--train_batch=1',
-              '--rollout_batch=2']
+    # the norms are of the summed gradient after FSDP's reduction: 2 ranks and 1 process log one ratio,
+    # and train.py's default lambda_KL, which holds it, moves the same (iteration 1: r1 0, lambda kl_init)
+    common = ['config/toy.py', '--max_iters=3', '--prompts_per_iter=2', '--group_size=2', '--eval_every=0',
+              '--save_every=0', '--export_dtype=', '--diag_every=0', '--train_batch=1', '--rollout_batch=2']
     rows = {}
     for nproc in (1, 2):
         out = tmp_path / f'n{nproc}'
@@ -172,6 +206,7 @@ def test_two_ranks_log_the_ratio_of_one_process(tmp_path):
         p = subprocess.run(head + ['train.py'] + common + [f'--out_dir={out}'], cwd=ROOT, capture_output=True,
                            text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
         assert p.returncode == 0, p.stderr[-3000:]
-        rows[nproc] = [json.loads(l)['kl_ratio'] for l in open(out / 'metrics.jsonl') if '"reward"' in l]
-    assert len(rows[1]) == 2 and rows[1][1] > 0
-    assert rows[2] == pytest.approx(rows[1], rel=1e-3)
+        rows[nproc] = [(r['kl_ratio'], r['lambda_kl']) for r in map(json.loads, open(out / 'metrics.jsonl'))
+                       if 'reward' in r]
+    assert len(rows[1]) == 3 and rows[1][0] == (0.0, 1e-7) and rows[1][1][0] > 0 and rows[1][2][1] > 1e-3
+    assert [x for r in rows[2] for x in r] == pytest.approx([x for r in rows[1] for x in r], rel=1e-3)

@@ -81,7 +81,8 @@ def test_a_micro_batch_of_nan_clips_runs_as_a_stand_in_and_leaves_no_trace(tmp_p
     monkeypatch.setattr(model, 'velocity', counted)
     out = str(tmp_path / 'standin')
     run_here(monkeypatch, SMALL + [f'--out_dir={out}', '--max_iters=2', '--diag_every=0', '--prompts_per_iter=1',
-                                   '--group_size=4', '--timestep_fraction=1.0', '--save_every=0', '--export_dtype='])
+                                   '--group_size=4', '--timestep_fraction=1.0', '--save_every=0', '--export_dtype=',
+                                   '--kl_ratio_target=0'])  # the paper's controller: its input is the KL
     rows = [r for r in metrics(out) if 'reward' in r]
     for row in rows:
         assert row['nonfinite_clips'] == 2 and row['nan_rewards'] == 2, row

@@ -39,7 +39,7 @@ from infra import checkpoint
 STEPS = int(os.environ.get('PREEMPT_STEPS', 4))  # sampler steps, every one trained
 ARGS = ['--prompts_per_iter=4', '--group_size=2', '--rollout_batch=4', '--train_batch=1', '--timestep_fraction=1.0',
         f'--num_steps={STEPS}', '--diag_every=0', '--eval_every=0', '--eval_samples=1', '--eval_videos=0',
-        '--kl_update=backward', '--updates_per_iter=2', '--max_iters=2', '--save_every=0', '--export_dtype=']
+        '--kl_update=backward', '--kl_ratio_target=0', '--updates_per_iter=2', '--max_iters=2', '--save_every=0', '--export_dtype=']
 WRAP = '''import os, signal, subprocess, sys
 p = subprocess.Popen([sys.executable] + sys.argv[1:])
 signal.signal(signal.SIGTERM, lambda s, f: None)  # torchrun signals the process group: train.py has it too

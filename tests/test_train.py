@@ -447,7 +447,7 @@ def test_prompt_noise_and_kl_update_settings(tmp_path, monkeypatch):
     for noise, cadence in (('fixed', 'backward'), ('fresh', 'step')):
         calls, d = [], str(tmp_path / noise)
         run_here(monkeypatch, SMALL + [f'--out_dir={d}', '--max_iters=2', f'--train_prompts={csv}',
-                                       f'--prompt_noise={noise}', f'--kl_update={cadence}', f'--kl_init={lam_init}',
+                                       f'--prompt_noise={noise}', f'--kl_update={cadence}', '--kl_ratio_target=0', f'--kl_init={lam_init}',
                                        f'--kl_min={lam_init}', f'--kl_max={lam_max}', f'--kl_warmup={warmup}'])
         assert len(calls) == 2  # one rollout call (all 4 clips) per iteration
         by_prompt = []
@@ -502,6 +502,6 @@ def test_fig7_lambda_schedules_are_settings(tmp_path, monkeypatch):
     for args, want in ((['--kl_init=1e-5', '--kl_min=1e-5', '--kl_warmup=0'], lambda k: 1e-5),
                        (['--kl_max=1e-6', '--kl_warmup=4'], lambda k: 1e-7 + (1e-6 - 1e-7) * k / 4)):
         d = str(tmp_path / str(len(args)))
-        run_here(monkeypatch, SMALL + [f'--out_dir={d}', '--max_iters=2', '--diag_every=0'] + args)
+        run_here(monkeypatch, SMALL + [f'--out_dir={d}', '--max_iters=2', '--diag_every=0', '--kl_ratio_target=0'] + args)
         lam = [r['lambda_kl'] for r in metrics(d) if 'reward' in r]
         assert lam == pytest.approx([want(1), want(2)], rel=1e-9), (args, lam)

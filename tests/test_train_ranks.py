@@ -1,7 +1,7 @@
 """
 train.py on 2 FSDP2 ranks (torchrun, gloo) against the same run in one process: 3 iterations with the
 diagnostics on, with Muon (AdamW against one process: test_nodes.py's 4-rank HSDP run, test_optimizer.py's
-FSDP2 step). The trained weights agree to <= 1e-6 (relative) and every figure of
+FSDP2 step). The trained weights agree to <= 3e-6 (relative; 1e-6 with lambda_KL fixed) and every figure of
 metrics.jsonl (losses, KLs, gradient norms, diagnostics, rewards, held-out evaluation) agrees too; only
 timings and memory are left out. What it pins:
 - gradients are cleared through the optimizers' sharded tensors: FSDP2 keeps the root unit unsharded
@@ -35,6 +35,7 @@ SKIP = ('t_rollout', 't_reward', 't_update', 'peak_mem_gb', 'peak_mem_gb_ranks',
 ATOL = 1e-10  # kl_vel is 0 up to float noise (~1e-13) at one optimizer step per rollout batch
 ATOL_RATIO = 1e-6  # ratio_max, max |ratio - 1|: float32 noise (~6e-8) at theta == theta_old, vs the 1e-4 clip
 ATOL_SCORE = 1e-6  # held-out scores and frame statistics, each in [0, 1] (entropy: bits, <= 6)
+WEIGHTS = 3e-6  # the trained weights' relative distance (1e-6 with lambda_KL fixed: see the rtol's note)
 
 
 def eval_prompts(tmp_path):
@@ -51,9 +52,12 @@ def eval_prompts(tmp_path):
 # The advantage kinds whose groups span the ranks (clips 0-3 on rank 0, 4-7 on rank 1: 2 prompts each),
 # with the released velocity estimator and a lambda schedule of their own, run with AdamW at the toy's lr
 # 1e-4: its small figures (MQ ~0.03) differ by up to 2.3e-5 relative between the two (weights <= 1e-6).
+# lambda_KL holding the gradient ratio (the default) reads ||g_KL|| one step after the anchor, a difference of
+# two nearly equal means: its float32 rounding differs between layouts (lambda 3e-4 apart at iteration 2, 28.63
+# against 28.62, measured), and with the KL term as large as the policy's the weights end 1.5e-6 apart: WEIGHTS.
 @pytest.mark.parametrize('optimizer,lr,rtol,eval_samples,rollout_batch,extra', [
     ('muon', 1e-5, 1e-3, 3, 2, []),
-    pytest.param('adamw', 1e-4, 1e-4, 1, 4, ['--advantage=taros', '--kl_estimator=sample', '--kl_init=1e-6',
+    pytest.param('adamw', 1e-4, 1e-4, 1, 4, ['--advantage=taros', '--kl_estimator=sample', '--kl_ratio_target=0', '--kl_init=1e-6',
                                              '--kl_warmup=2'], marks=pytest.mark.slow),
     pytest.param('adamw', 1e-4, 1e-4, 1, 4, ['--advantage=per_component', '--group_size=4', '--prompts_per_iter=2'],
                  marks=pytest.mark.slow)])  # these two in .ci/run's slow tier: the README's command stays < 10 min
@@ -68,7 +72,7 @@ def test_two_ranks_equal_one_process(tmp_path, monkeypatch, optimizer, lr, rtol,
     assert wa.keys() == wb.keys()
     diff = math.sqrt(sum(((wa[k] - wb[k]) ** 2).sum().item() for k in wa))
     norm = math.sqrt(sum((wa[k] ** 2).sum().item() for k in wa))
-    assert diff <= 1e-6 * norm, diff / norm
+    assert diff <= WEIGHTS * norm, diff / norm
     ra, rb = metrics(one), metrics(two)
     assert [sorted(r) for r in ra] == [sorted(r) for r in rb]
     # one optimizer step per rollout batch: theta == theta_old in the update, the ratio is 1 up to float noise

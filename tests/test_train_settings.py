@@ -41,7 +41,7 @@ def args(tmp_path):
 # lambda_KL's warm-up from kl_init 1e-6, above kl_min 1e-7, over 4 optimizer steps to kl_max 1e-5 (one step an
 # iteration): by hand 1e-6 + 9e-6 k / 4 after iteration k, 3.25e-6 at k = 1 (from kl_min: 2.575e-6; the
 # default 100 steps: 1.09e-6). The advantage runs carry it, so their runs serve both tests
-WARMUP = ['--kl_init=1e-6', '--kl_min=1e-7', '--kl_max=1e-5', '--kl_warmup=4']
+WARMUP = ['--kl_ratio_target=0', '--kl_init=1e-6', '--kl_min=1e-7', '--kl_max=1e-5', '--kl_warmup=4']
 
 
 @pytest.fixture(scope='module')
@@ -94,7 +94,7 @@ def test_sample_kl_estimator_pulls_toward_the_rollout_policy(tmp_path, monkeypat
     monkeypatch.setattr(toy, 'reward', constant)
     monkeypatch.setattr(sde, 'rollout', recording)
     monkeypatch.setattr(M, 'velocity', velocity)
-    lam = ['--kl_init=1.0', '--kl_min=1.0', '--kl_max=1.0', '--kl_warmup=0', '--weight_decay=0',
+    lam = ['--kl_ratio_target=0', '--kl_init=1.0', '--kl_min=1.0', '--kl_max=1.0', '--kl_warmup=0', '--weight_decay=0',
            '--timestep_fraction=1.0', '--optimizer=adamw', '--learning_rate=1e-5']
     out = str(tmp_path / 'sample')
     run_here(monkeypatch, args + [f'--out_dir={out}', '--max_iters=1', '--kl_estimator=sample'] + lam)
