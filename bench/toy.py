@@ -76,8 +76,6 @@ from bench.toy_gradnorm import grad_clips  # noqa: E402,F401
 from bench.toy_ablations import (ablations, acting_kl_max, first_seed, only, reverse, seeds,  # noqa: E402,F401
                                  train_iters, train_prompts_per_iter)
 from bench.toy_cost import cost_iters  # noqa: E402,F401
-TRUST = {}  # config/toy_trust.py's settings: the headline's second run, the trust region where it acts
-exec(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'config', 'toy_trust.py')).read(), {}, TRUST)
 _argv = [a + '=True' if a == '--quick' else  # a bare flag; lists like --sections=1,2 stay strings
          f"{a.split('=')[0]}={a.split('=', 1)[1]!r}" if a.split('=')[0] in ('--sections', '--ablations') else a
          for a in sys.argv[1:]]
@@ -115,13 +113,14 @@ def section0():
                 'noise': toy.summary(noise, prompts), 'seeds': seeds_}
     b = cell('s0_base' + ('_quick' if quick else ''), base)
     ov = dict(max_iters=1, prompts_per_iter=2, eval_every=1, save_every=0) if quick else {}
-    run = C.train('s0_default' + ('_quick' if quick else ''), dict(ov, **TC.EXTRA))
-    # the trust region where it acts (bench/trust_region.py): lambda_KL held at 0.1, config/toy_trust.py
-    trust = C.train('s0_trust_0.1' + ('_quick' if quick else ''), dict(ov, **TC.EXTRA, **TRUST))
+    # train.py's defaults as they are (lambda_KL held at the gradient ratio 1: docs/method.md 5.6)
+    run = C.train('s0_ratio' + ('_quick' if quick else ''), dict(ov, **TC.EXTRA), pinned=False)
+    # the same at the paper's lambda_KL (1e-7 warming to 1e-5: the trust region does not act)
+    paper = C.train('s0_paper_kl' + ('_quick' if quick else ''), dict(ov, **TC.EXTRA, kl_ratio_target=0.0))
     with open(os.path.join(toy.DIR, 'pretrain.log')) as f:
         log = f.read().strip().split('\n')[-1]  # toy.py's last line: steps, time, final loss
     R['0'] = dict(base=b, run=run and dict(evals=run['evals'], wall=run['wall']), pretrain=log,
-                  trust=trust and dict(evals=trust['evals'], wall=trust['wall']))
+                  paper=paper and dict(evals=paper['evals'], wall=paper['wall']))
     cols = ('VQ', 'MQ', 'TA', 'composite', 'manifold', 'colour+direction right')
     fmt = lambda k, v: f'{100 * v:.0f}%' if k == 'colour+direction right' else f'{v:.3f}'
     rows = [[f'base, {TOY["num_steps"]} steps, shift {TOY["shift"]:g}, cfg {TOY["cfg"]:g} (the RL setting)'] + [fmt(k, b['rl'][k]) for k in cols],
@@ -131,8 +130,8 @@ def section0():
           f'The base model (`python -m models.toy`: {log.replace("done: ", "")}); ODE samples of the 16 held-out prompts x '
           f'{b["seeds"]} seeds; pure noise = decoded N(0, I) latents:', '',
           table(['sampling', 'VQ', 'MQ', 'TA', 'composite', 'manifold dist.', 'colour and direction right'], rows), '']
-    for r, what in ((run, 'config/toy.py` (sage, eta 0.5, equalizer, dual KL'),
-                    (trust, 'config/toy.py config/toy_trust.py` (the same, lambda_KL held at 0.1')):
+    for r, what in ((run, 'config/toy.py` (sage, eta 0.5, equalizer, dual KL, lambda_KL holding the gradient ratio at 1'),
+                    (paper, 'config/toy.py --kl_ratio_target=0` (the same at the paper\'s lambda_KL, 1e-7 warming to 1e-5')):
         if r is not None:
             md += [run_line(r, what), '']
     MD.extend(md)
@@ -160,8 +159,7 @@ def alarm_sentence(evals):
     said = [(r['iter'], r['alarm']) for r in evals if r.get('alarm')]
     if not said:
         return 'The reward-hacking alarm: silent.' if any('alarm' in r for r in evals) else ''
-    return ('The reward-hacking alarm, as it ran then (a watcher judged against the base model, not yet the data: '
-            'docs/method.md 9): ' + '; '.join(f'iteration {i}: {", ".join(names)}' for i, names in said) + '.')
+    return ('The reward-hacking alarm (docs/method.md 9): ' + '; '.join(f'iteration {i}: {", ".join(names)}' for i, names in said) + '.')
 
 
 # ============================================================================= 5. on paper
@@ -266,16 +264,14 @@ if found:
     head += ['## Findings', '', f'Sections 2 and 3 in a sentence each (section 3: {train_iters} iterations x '
              f'{seeds} seeds of every switch, parts (a)-(h); the paired 5-seed verdicts are section 6); the tables '
              'follow.', ''] + found + ['']
-# sections 6-11: every block another script writes (bench.verdicts, bench.compute, bench.paper, ...), kept
-# as it last wrote it, in the order the file has them
+# sections 6 on: from the first block another script writes (bench.verdicts, bench.compute, bench.paper, ...) to
+# the end, the file is kept as it is (their blocks and the text written between them)
 md_path = os.path.join(out, 'README.md')
-tags = re.findall(r'^<!-- (\S+):begin', open(md_path).read(), re.M) if os.path.exists(md_path) else []
-keep = {tag: C.get_block(md_path, tag) for tag in tags if tag != 'bench.toy'}
+old_md = open(md_path).read() if os.path.exists(md_path) else ''
+first = re.search(r'^<!-- (?!bench\.toy:)(.+?):begin', old_md, re.M)
 with open(md_path, 'w') as f:
-    f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n')
-for tag, lines in keep.items():  # absent now: appended, in the order read
-    if lines is not None:
-        C.put_block(md_path, tag, lines)
+    f.write('\n'.join(head + [l for k in sorted(by_num) for l in by_num[k]]) + '\n'
+            + (old_md[first.start():] if first else ''))
 with open(os.path.join(out, 'bench.json'), 'w') as f:
     json.dump(dict(config=config, model_hash=MODEL_HASH, **R, markdown=by_num), f, indent=1)
 
