@@ -216,9 +216,11 @@ def inputs(cfg, n, Fr, H, W, L1, L2, dev):
     return store, text(), text()
 
 
-def train_step(model, anchor, opt, store, text, text_neg, bf16, phase, velocity=velocity):
+def train_step(model, anchor, opt, store, text, text_neg, bf16, phase, velocity=velocity, split=False):
     """step_loss + backward for one clip at one step, then clip + AdamW; phase(name) is called
-    after each part (the caller records peaks and FLOPs there). velocity: the family's (Wan: wan_velocity)."""
+    after each part (the caller records peaks and FLOPs there). velocity: the family's (Wan: wan_velocity).
+    split: the backward as train.py's default runs it, the KL and policy terms apart (extras/diagnostics.py
+    GradientSplit: two backward passes of one forward, the KL gradients in a second sum until the step)."""
     x, x_next, mean_old = store['xs'][:1, 3], store['xs'][:1, 4], store['means'][:1, 3]  # (1, C, f, h, w)
     s = torch.full((1,), 0.9, device=x.device)
     dt, std, A, logp_old = -0.05, 0.1, 1.0, 0.0  # constants: fake tensors cannot branch on values
@@ -232,8 +234,23 @@ def train_step(model, anchor, opt, store, text, text_neg, bf16, phase, velocity=
     kl = ((mean - mean_anchor) ** 2 + 0.1 * (mean - mean_old) ** 2).flatten(1).mean(1) / (2 * std ** 2)
     loss = (policy + 1e-5 * kl).sum()
     phase('policy forward')
-    loss.backward()
-    phase('backward')
+    if split:
+        from extras.diagnostics import GradientSplit
+        gs = GradientSplit([opt], 0, always=True)
+        gs.backward(loss, dict(policy=policy, valid=torch.ones_like(policy)), 1.0)
+        phase('backward')
+        # GradientSplit.measure's work without its .item() (a value a fake tensor lacks): the two norms, the
+        # KL sum added back into the gradients
+        kl = [g for g in gs.kl if g is not None]
+        torch.nn.utils.get_total_norm([p.grad for p in gs.params if p.grad is not None]), torch.nn.utils.get_total_norm(kl)
+        for p, g in zip(gs.params, gs.kl):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        gs.kl = kl = None
+        phase('ratio')
+    else:
+        loss.backward()
+        phase('backward')
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0, foreach=True)
     phase('clip')
     opt.step()
@@ -292,14 +309,15 @@ def snap(tracker, kind='current'):
 
 
 def measure(cfg, what, Fr, H, W, world=None, lora=0, fake=True, attn='gpu', bf16=True, n_store=None, L=None,
-            rollout_n=None, proc=None, sp=1, fam=None):
+            rollout_n=None, proc=None, sp=1, fam=None, split=False):
     """Peak bytes per rank by category and FLOPs of one micro-step ('train') or one rollout forward
     ('rollout'). world > 0 (default: the gpus setting): FSDP2 over a fake process group of `world`
     ranks (fake=True only); rollout_n: clips of a rollout forward (default: rollout_batch).
     proc: the blocks' attention (hunyuan15.set_attention; default the `processor` setting).
     sp > 1: sequence parallel as train.py sets it (sp.enable over a (dp, 1, sp) mesh of the same
     ranks; FSDP2 still over all of them): each rank runs the blocks on 1/sp of a clip's tokens.
-    fam: the model family's functions (HUNYUAN, the default, or bench/fullsize_wan.py's WAN)."""
+    fam: the model family's functions (HUNYUAN, the default, or bench/fullsize_wan.py's WAN).
+    split: the micro-step's backward with the two terms apart (train_step; train.py's default)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -343,7 +361,7 @@ def measure(cfg, what, Fr, H, W, world=None, lora=0, fake=True, attn='gpu', bf16
         import torch.distributed.tensor._sharding_prop as sharding_prop
         prop_mode = FakeTensorMode(allow_non_fake_inputs=True)
         sharding_prop.detect_fake_mode = lambda *a, **k: prop_mode
-    res = dict(what=what, frames=Fr, height=H, width=W, world=world, sp=sp, lora=lora, attention=proc, P=P, P_trainable=P_train,
+    res = dict(what=what, frames=Fr, height=H, width=W, world=world, sp=sp, lora=lora, attention=proc, P=P, P_trainable=P_train, split=split,
                tokens=f.tokens(Fr, H, W), text=f.text(L1, L2), phases={})
     with mode, attention(attn):
         model.to_empty(device='cpu')
@@ -379,7 +397,7 @@ def measure(cfg, what, Fr, H, W, world=None, lora=0, fake=True, attn='gpu', bf16
                 if name == 'anchor forward':  # FSDPMemTracker's module stats allow one forward per module
                     tracker.reset_mod_stats()
             if what == 'train':
-                train_step(model, anchor, opt, store, text, text_neg, bf16, phase, f.velocity)
+                train_step(model, anchor, opt, store, text, text_neg, bf16, phase, f.velocity, split)
             else:
                 rollout_step(model, store, text, text_neg, rollout_n, bf16, phase, f.velocity)
     for h in hooks:

@@ -77,7 +77,7 @@ def ratio_cell(label):
     return 'tr_ratio_' + '_'.join(f'{k}-{v}' for k, v in sorted(RATIO_RUNS[label].items())) + '_p8_it30_s0'
 
 
-# item 2's other cells: dual with lambda_KL held by the batch ratio's target (extras/variants.py RatioHold, the
+# item 2's other cells: dual with lambda_KL held by the batch ratio's target (trust_region.py RatioHold, the
 # ratio GradientSplit measures every step) with each optimizer at its default, and lambda 1 run to 120 iterations
 RATIO_TARGET = 1.0      # the KL term's summed gradient as large as the policy term's (at 0.1: AdamW 1.16, Muon 0.64)
 LONG_ITERS = 120
