@@ -146,6 +146,7 @@ def test_sigterm_kill9_and_resume_are_exact_one_process(tmp_path, monkeypatch, c
     assert said.startswith(f'{out!r} has no intact checkpoint to resume from'), said
 
 
+@pytest.mark.slow  # .ci/run's slow tier: the README's command stays under 10 minutes
 def test_sigterm_two_ranks_and_resume_across_world_sizes(tmp_path, monkeypatch):
     out = str(tmp_path / 'fsdp')
     p = start(ARGS + [f'--out_dir={out}', '--save_every=0', '--eval_every=0'], out, torchrun=True)

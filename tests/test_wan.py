@@ -228,6 +228,7 @@ def test_sp2_velocity_and_gradient_equal_one_process(roots, tmp_path):
 
 # ----------------------------------------------------------------------------- train.py, sample.py
 
+@pytest.mark.slow  # .ci/run's slow tier: the README's command stays under 10 minutes
 def test_train_ranks_sp_resume_export_and_sample(roots, tmp_path, monkeypatch):
     ckpt_dir, qwen_dir = make_tiny_videoalign(str(tmp_path / 'va'))
     (tmp_path / 'train.txt').write_text('a red car moving left\na blue circle moving up\n'
