@@ -1,9 +1,9 @@
 """
 The trust region of SAGE-GRPO (docs/method.md section 5): the KL of two transition Gaussians, the
 strategies that weigh its two terms, and lambda_KL: held at a ratio of the gradients (our default) or
-the paper's controller. The anchor is a frozen copy of
-the policy's trainable weights, refreshed every anchor_every optimizer steps ('moving', 'dual';
-never for 'fixed'); how it is stored sharded and swapped in for a forward is infra/anchor.py.
+the paper's controller. The anchor is a frozen copy of the policy's trainable weights, refreshed every
+anchor_every optimizer steps ('moving', 'dual'; never for 'fixed'); how it is stored sharded and
+swapped in for a forward is infra/anchor.py.
 
     KL(mean_a, mean_b) = mean over elements of (mean_a - mean_b)^2 / (2 std_t^2)
     loss_kl = lambda_KL * (beta_pos * KL(mean_theta, mean_anchor)
