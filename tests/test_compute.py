@@ -231,6 +231,7 @@ def test_window_trains_only_its_steps_with_their_own_scales_and_counts_survive_r
     check_formula(logged(out), dict(sde_window=2, cfg=2.0))
 
 
+@pytest.mark.slow  # .ci/run's slow tier: the README's command stays under 10 minutes
 def test_window_on_two_ranks(tmp_path):
     out, rec, runner = str(tmp_path / 'fsdp'), str(tmp_path / 'rec'), tmp_path / 'recorder.py'
     runner.write_text(RECORDER)

@@ -6,6 +6,8 @@ exactly 1 at theta = theta_old (clipfrac 0: old and new log-probs share the weig
 python -m pytest tests/test_credit_train.py"""
 import math
 
+import pytest
+
 from test_train import SMALL, check_run, run, run_here
 
 
@@ -17,6 +19,7 @@ def check_credit(out, iters):
     return rows
 
 
+@pytest.mark.slow  # .ci/run's slow tier: the README's command stays under 10 minutes
 def test_toy_tvrl_frame_granularity_two_ranks(tmp_path):
     out = str(tmp_path / 'tvrl2')
     run(SMALL + [f'--out_dir={out}', '--max_iters=2', '--credit=tvrl', '--credit_granularity=frame',

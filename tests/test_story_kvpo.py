@@ -130,9 +130,9 @@ def run(args, tmp_path):
     return p
 
 
+@pytest.mark.slow  # .ci/run's slow tier: the README's command stays under 10 minutes
 @pytest.mark.parametrize('args', [['kvpo.train', 'kvpo/config/toy.py', 'kvpo/config/toy_story.py'],
-                                  pytest.param(['kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', 'kvpo/config/grpo_toy_story.py'],
-                                               marks=pytest.mark.slow)])  # slow tier: the README's command < 10 min
+                                  ['kvpo.grpo_ar', 'kvpo/config/grpo_toy.py', 'kvpo/config/grpo_toy_story.py']])
 def test_both_trainers_run_a_story_and_log_the_held_out_stories(args, tmp_path):
     p = run(args, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
