@@ -35,7 +35,8 @@ def passes_from_zero():
 # The slowest files first (seconds on 2 cores, measured with --durations=0): pytest-xdist's
 # --dist loadfile hands out whole files in collection order, so a long file collected last would
 # run alone at the end while the other worker idles. Longest first keeps the two workers even.
-SLOW_FIRST = ('test_train.py', 'test_preemption.py', 'test_checkpoint.py', 'test_wan.py', 'test_train_ranks.py',
+SLOW_FIRST = ('test_headline.py', 'test_kl_ratio.py',  # the slow tier's longest (-m slow: ~7 and ~4 min)
+              'test_train.py', 'test_preemption.py', 'test_checkpoint.py', 'test_wan.py', 'test_train_ranks.py',
               'test_nodes.py', 'test_wan22.py', 'test_compute.py', 'test_credit_train.py', 'test_learning.py',
               'test_sp.py', 'test_alarm.py', 'test_train_settings.py', 'test_rundir.py', 'test_fullsize.py', 'test_sample.py')
 
