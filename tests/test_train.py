@@ -138,6 +138,7 @@ def test_toy_one_process_and_exact_resume(tmp_path, monkeypatch):
            [r['lambda_kl'] for r in rb if 'reward' in r]
 
 
+@pytest.mark.slow  # .ci/run's slow tier: the README's command stays under 10 minutes (9 min 47 s with it)
 def test_toy_fsdp_two_ranks(tmp_path):
     out = str(tmp_path / 'fsdp')
     p = run(SMALL + [f'--out_dir={out}', '--max_iters=2', '--optimizer=muon'], torchrun=True)
