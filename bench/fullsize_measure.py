@@ -241,12 +241,9 @@ def train_step(model, anchor, opt, store, text, text_neg, bf16, phase, velocity=
         phase('backward')
         # GradientSplit.measure's work without its .item() (a value a fake tensor lacks): the two norms, the
         # KL sum added back into the gradients
-        kl = [g for g in gs.kl if g is not None]
-        torch.nn.utils.get_total_norm([p.grad for p in gs.params if p.grad is not None]), torch.nn.utils.get_total_norm(kl)
-        for p, g in zip(gs.params, gs.kl):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-        gs.kl = kl = None
+        torch.nn.utils.get_total_norm([p.grad for p in gs.params if p.grad is not None])
+        torch.nn.utils.get_total_norm([g for g in gs.kl if g is not None])
+        gs.add_back()
         phase('ratio')
     else:
         loss.backward()

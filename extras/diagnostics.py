@@ -154,13 +154,17 @@ class GradientSplit:
             return None
         norm = lambda gs: _full(torch.nn.utils.get_total_norm([g for g in gs if g is not None]))  # noqa: E731
         g_policy, g_kl = norm([p.grad for p in self.params]), norm(self.kl or [])
+        self.add_back()
+        r1 = g_kl / lam / g_policy if g_policy > 0 else float('nan')
+        self.logged = lam * r1
+        return r1
+
+    def add_back(self):
+        """The KL term's gradient sum added into the parameters' gradients: the step's whole gradient."""
         for p, g in zip(self.params, self.kl or []):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
         self.kl = None
-        r1 = g_kl / lam / g_policy if g_policy > 0 else float('nan')
-        self.logged = lam * r1
-        return r1
 
 
 def _full(n):
